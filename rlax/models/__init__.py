@@ -1,0 +1,9 @@
+"""Transformer family (Llama 3, Qwen2/2.5, Qwen3), sharding rules, HF interop and chunked log-probs."""
+
+from rlax.models.config import ModelConfig, RopeScaling, from_dict, preset
+from rlax.models.logprobs import logprobs_from_hidden, token_logprobs
+from rlax.models.sharding import RULES, constrain, make_mesh, spec_for, tree_shardings
+from rlax.models.transformer import (KVCache, Params, Transformer, cache_bytes, forward, hidden_states,
+                                     init_cache, init_params, lm_head, logits_from_hidden, param_axes,
+                                     param_shapes)
+from rlax.models.init import create_params, param_shardings

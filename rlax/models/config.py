@@ -1,0 +1,112 @@
+"""Model configuration for the decoder-only transformer family (Llama 3, Qwen2/2.5, Qwen3)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax.numpy as jnp
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama 3 style frequency-dependent RoPE scaling (HF `rope_type="llama3"`)."""
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape and numerics of one transformer.
+
+  `arch` only selects defaults that differ between families; the switches that
+  matter numerically are explicit: `qkv_bias` (Qwen2), `qk_norm` (Qwen3),
+  `rope_scaling` (Llama 3.1+), `tie_embeddings`.
+  """
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  arch: str = "llama"
+  rope_theta: float = 10_000.0
+  rope_scaling: Optional[RopeScaling] = None
+  norm_eps: float = 1e-5
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  tie_embeddings: bool = False
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+  remat: bool = False
+  scan_layers: bool = False
+  max_position: int = 8192
+
+  def __post_init__(self):
+    if self.arch not in ARCHS:
+      raise ValueError(f"unsupported architecture {self.arch!r}; expected one of {ARCHS}")
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+    for name in ("param_dtype", "dtype"):
+      if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: use float32, bfloat16 or float16")
+
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def jnp_param_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+  def num_params(self) -> int:
+    d, f, h, k, dh, v, n = (self.d_model, self.mlp_dim, self.n_heads, self.n_kv_heads, self.head_dim,
+                            self.vocab_size, self.n_layers)
+    per_layer = d * h * dh * 2 + d * k * dh * 2 + 3 * d * f + 2 * d
+    if self.qkv_bias:
+      per_layer += (h + 2 * k) * dh
+    if self.qk_norm:
+      per_layer += 2 * dh
+    return n * per_layer + v * d * (1 if self.tie_embeddings else 2) + d
+
+
+def from_dict(d: dict) -> ModelConfig:
+  """Builds a ModelConfig from a plain dict (e.g. an ml_collections config's `model` field)."""
+  d = dict(d)
+  rs = d.pop("rope_scaling", None)
+  names = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(d) - names)
+  if unknown:
+    raise ValueError(f"unknown model config field(s): {', '.join(unknown)}")
+  if rs:
+    rs = RopeScaling(**dict(rs))
+  return ModelConfig(rope_scaling=rs or None, **d)
+
+
+PRESETS = {
+    # W1/W2/W3 benchmark model (see bench/).
+    "w1": dict(vocab_size=1024, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64,
+               mlp_dim=1024),
+    # Qwen2.5-32B / QwQ-32B architecture (the paper's policy).
+    "qwq32b": dict(arch="qwen2", vocab_size=152064, d_model=5120, n_layers=64, n_heads=40,
+                   n_kv_heads=8, head_dim=128, mlp_dim=27648, qkv_bias=True, rope_theta=1e6,
+                   norm_eps=1e-5, param_dtype="bfloat16", dtype="bfloat16", scan_layers=True,
+                   remat=True, max_position=40960),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+  if name not in PRESETS:
+    raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+  return from_dict({**PRESETS[name], **overrides})
