@@ -1,0 +1,72 @@
+"""Base rlax config: every field the runtime reads, with defaults.
+
+  python -m launch.main --config=configs/base.py --config.algorithm.name=dapo
+
+Other configs start from `get_config()` here and override what differs.
+"""
+
+import ml_collections
+
+ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "cispo", "ppo")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.workdir = "runs/base"
+  c.deterministic = False  # fixed staleness schedule ⇒ bitwise-reproducible resume
+
+  # Model: a preset name plus field overrides (rlax.models.config.ModelConfig).
+  c.model = ml_collections.ConfigDict(dict(preset="w1", overrides={}))
+  c.init = ml_collections.ConfigDict(dict(hf_checkpoint="", sft_steps=0, sft_batch=64, sft_lr=1e-3))
+
+  # Devices → slices → roles.
+  c.topology = ml_collections.ConfigDict(dict(
+      slice_size=2,              # simulated slice size on CPU/GPU; TPU uses device.slice_index
+      trainer_slices=2,
+      sampler_slices=2,
+      colocated=False,           # True: trainer and sampler time-share the same slices
+      trainer_mesh=dict(data=1, fsdp=-1, tensor=1),
+      sampler_mesh=dict(data=-1, fsdp=1, tensor=1),
+  ))
+
+  c.algorithm = ml_collections.ConfigDict(dict(name="grpo", kl_coef=0.0, kl_estimator="k3",
+                                               entropy_coef=0.0, overrides={}))
+  c.optimizer = ml_collections.ConfigDict(dict(lr=1e-5, warmup_steps=0, schedule="constant",
+                                               weight_decay=0.0, b1=0.9, b2=0.999, clip_norm=1.0,
+                                               micro_batches=1))
+
+  c.rollout = ml_collections.ConfigDict(dict(
+      prompts_per_step=16,
+      samples_per_prompt=8,
+      max_prompt_len=32,
+      max_new_tokens=64,
+      temperature=1.0,
+      top_k=0,
+      top_p=1.0,
+      decode_chunk=0,            # >0: decode in chunks; weights may be swapped in between
+      inflight_updates=False,
+  ))
+
+  c.controller = ml_collections.ConfigDict(dict(
+      steps=100,
+      max_staleness=1,           # k: a sample is at most k policy versions old
+      stale_policy="drop",       # or "importance_weight"
+      push_every=1,              # trainer pushes weights every N steps
+      queue_size=2,
+      log_every=1,
+      eval_every=0,
+      dynamic_sampling=False,
+  ))
+
+  c.param_server = ml_collections.ConfigDict(dict(bucket="per_layer", bucket_bytes=0))
+
+  # prompt_style: "instruct" (the task's own prompt, answer in <answer> tags) or "compact"
+  # (arithmetic only: "12+34=" → "46"); ops: keep arithmetic problems using only these operators.
+  c.data = ml_collections.ConfigDict(dict(task="arithmetic", difficulty=1, n_train=4096, n_eval=128,
+                                          eval_seed=12345, prompt_style="instruct", ops=""))
+  c.reward = ml_collections.ConfigDict(dict(name="arithmetic", workers=4, timeout_s=5.0))
+  c.eval = ml_collections.ConfigDict(dict(n_prompts=128, n_samples=8, temperature=1.0))
+  c.checkpoint = ml_collections.ConfigDict(dict(every_steps=50, every_seconds=600.0, keep=3,
+                                                grace_seconds=30.0))
+  return c

@@ -1,0 +1,54 @@
+"""The paper's setting: QwQ-32B (Qwen2.5-32B architecture) on 1024 TPU v5p chips = 2 slices of v5p-1024 (8x8x8).
+
+  python -m launch.plan --config=configs/paper_qwq32b.py            # AOT plan, no TPU needed (tpu extra)
+  python -m launch.tpu --config=configs/paper_qwq32b.py             # commands to start it on TPU slices
+
+Slice 0 (512 chips) trains, slice 1 (512 chips) samples; weights cross the slices over DCN through
+`rlax.multihost.CrossMeshPush` (or device_put under Pathways). Responses are long (up to 15k new tokens
+after a 1k prompt: 16k-token sequences). `c.plan` holds the plan-only fields: target topology and the
+chip's published figures. `get_config("32k")` doubles the response length (32k sequences).
+"""
+
+import ml_collections
+
+from configs import base
+
+
+def plan_fields(topology: str, num_slices: int, sampler_batch: int) -> ml_collections.ConfigDict:
+  """v5p published per-chip figures; ICI/DCN figures are assumptions (see docs/scale.md)."""
+  return ml_collections.ConfigDict(dict(
+      topology=topology,          # get_topology_desc string, or "local" for this machine's devices
+      num_slices=num_slices,
+      chip="v5p",
+      hbm_gib=95.0,
+      peak_tflops=459.0,          # bf16
+      hbm_tb_s=2.76,
+      ici_gb_s=300.0,             # per chip, one direction (half of the published 4800 Gbps bidirectional)
+      dcn_gb_s=6.25,              # per chip: 200 Gbps NIC per 4-chip host / 4 (assumption)
+      sampler_batch=sampler_batch,  # rows per sampler prefill/decode call
+  ))
+
+
+def get_config(arg: str | None = None):
+  c = base.get_config()
+  c.workdir = "runs/paper_qwq32b"
+  c.model.preset = "qwq32b"       # 64 layers, d 5120, 40q/8kv heads, MLP 27648, vocab 152064, bf16
+  c.model.overrides = dict(scan_layers=True, remat=True)
+  c.topology.slice_size = None    # TPU: slices from device.slice_index
+  c.topology.trainer_slices = 1
+  c.topology.sampler_slices = 1
+  c.topology.trainer_mesh = dict(data=1, fsdp=-1, tensor=8)
+  c.topology.sampler_mesh = dict(data=-1, fsdp=1, tensor=8)
+  c.algorithm.name = "grpo"
+  c.optimizer.lr = 1e-6
+  c.rollout.prompts_per_step = 64
+  c.rollout.samples_per_prompt = 16
+  c.rollout.max_prompt_len = 1024
+  c.rollout.max_new_tokens = 15 * 1024
+  c.rollout.decode_chunk = 256
+  c.optimizer.micro_batches = 16   # 64 rows per micro-batch: one sequence per FSDP shard
+  c.plan = plan_fields("v5p:8x8x8", 2, sampler_batch=1024)
+  if arg == "32k":
+    c.rollout.max_new_tokens = 31 * 1024
+    c.optimizer.micro_batches = 16
+  return c

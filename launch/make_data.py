@@ -1,0 +1,39 @@
+"""Writes N synthetic problems to JSONL, optionally deduplicated and decontaminated.
+
+  python -m launch.make_data --task=arithmetic --n=1000 --difficulty=2 --seed=0 --out=/tmp/a.jsonl
+  python -m launch.make_data --task=countdown --n=500 --dedup --decontaminate=/tmp/eval.jsonl --out=...
+"""
+
+from absl import app
+from absl import flags
+from absl import logging
+
+from rlax.data import curation
+from rlax.data import records as records_lib
+from rlax.data import synthetic
+
+_TASK = flags.DEFINE_enum("task", "arithmetic", sorted(synthetic.GENERATORS), "Synthetic task.")
+_N = flags.DEFINE_integer("n", 1000, "Number of problems.")
+_DIFFICULTY = flags.DEFINE_integer("difficulty", 1, "Task difficulty (>= 1).")
+_SEED = flags.DEFINE_integer("seed", 0, "Generator seed.")
+_OUT = flags.DEFINE_string("out", None, "Output .jsonl path.", required=True)
+_DEDUP = flags.DEFINE_bool("dedup", False, "Drop exact and near-duplicate prompts.")
+_DECON = flags.DEFINE_string("decontaminate", None, "Eval .jsonl whose prompts must not leak.")
+
+
+def main(argv):
+  del argv
+  recs = synthetic.generate(_TASK.value, _N.value, difficulty=_DIFFICULTY.value, seed=_SEED.value)
+  if _DEDUP.value:
+    recs, _ = curation.exact_dedup(recs)
+    recs, _ = curation.near_dedup(recs)
+  if _DECON.value:
+    evals = records_lib.read_records(_DECON.value)
+    recs, _ = curation.decontaminate(recs, [r.prompt for r in evals])
+  n = records_lib.write_jsonl(recs, _OUT.value)
+  logging.info("wrote %d %s problems to %s", n, _TASK.value, _OUT.value)
+  print(f"wrote {n} records to {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)

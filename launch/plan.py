@@ -1,0 +1,53 @@
+"""Ahead-of-time plan of a config on its target TPU topology: per-chip memory, FLOPs, time estimates.
+
+  pip install -e ".[tpu]"        # jax[tpu] / libtpu: compiles for TPU without a TPU attached
+  python -m launch.plan --config=configs/paper_qwq32b.py
+  python -m launch.plan --config=configs/v5p_128.py --config.plan.sampler_batch=256
+
+Compiles the runtime's trainer RL step, sampler prefill and decode chunk, and the trainer → sampler
+weight push for `config.plan.topology` x `config.plan.num_slices` and prints a table; the last output
+line is the table as JSON. A program that does not fit the chip's HBM ends the run with one line
+(exit code 3) naming the program, the overshoot and the knob to turn.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's SPMD warnings drown the table
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # compile-only libtpu: no workers to find
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other JAX processes on this box may hold its lock
+
+from absl import app, flags
+
+from launch.flags_util import define_config, parse_or_exit
+
+CONFIG = define_config(None)
+CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "Fake CPU devices for plan.topology='local'.")
+
+
+def main(argv):
+  del argv
+  import jax  # after flags: the CPU device count must be set before the first JAX operation
+  jax.config.update("jax_num_cpu_devices", CPU_DEVICES.value)
+  jax.config.update("jax_platforms", "cpu")  # eager helpers run on CPU; TPU programs are compile-only
+  from launch._plan_table import format_table
+  from rlax import planning
+  c = CONFIG.value
+  if c is None or "plan" not in c:
+    print("rlax: plan: the config has no `plan` section (see configs/paper_qwq32b.py)", file=sys.stderr)
+    sys.exit(2)
+  try:
+    table = planning.make_plan(c)
+  except planning.PlanError as e:
+    print(f"rlax: plan: {e}", file=sys.stderr)
+    sys.exit(3)
+  except ValueError as e:
+    print(f"rlax: plan: bad config: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(format_table(table))
+  print(json.dumps(table))
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=parse_or_exit)

@@ -1,0 +1,151 @@
+"""One registry of RL algorithms: `AlgorithmConfig` (estimator + loss + aggregation + defaults) and `get_algorithm`.
+
+    algo = get_algorithm("grpo")                      # defaults of the paper
+    algo = get_algorithm("dapo", eps_high=0.3)        # overrides are validated
+    adv = algo.advantages(rewards, group_size=8)      # [B]
+    loss_tok, info = algo.token_loss(logp, old_logp, adv, mask)
+
+Known names: grpo, dr_grpo, dapo, rloo, reinforce_pp, gspo, cispo, ppo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+from rlax.algorithms import advantages as adv_lib
+from rlax.algorithms import policy_losses
+from rlax.algorithms.aggregation import AGG_MODES
+from rlax.algorithms.off_policy import IS_MODES
+from rlax.algorithms.regularizers import KL_ESTIMATORS
+
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+  """Everything that defines an RL objective; validated at construction (a bad field raises ValueError).
+
+  advantage: one of ESTIMATORS ("gae" needs `has_value_model`, and the trainer then
+    expects precomputed advantages in the batch). policy_loss: ppo | gspo | cispo | reinforce.
+  loss_agg: token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (`max_len` is the
+    Dr. GRPO constant; None = the batch's T). kl_coef/kl_estimator: KL-to-reference term;
+    `kl_in_reward` subtracts it from the reward instead of adding it to the loss.
+  off_policy/is_cap: TIS/MIS correction between sampler and trainer log-probs.
+  old_policy: "recompute" (ratio against the trainer's log-probs at step start) or
+    "behaviour" (against the sampler's log-probs; then no separate IS correction applies).
+  """
+  name: str = "grpo"
+  advantage: str = "grpo"
+  policy_loss: str = "ppo"
+  loss_agg: str = "seq_mean_token_mean"
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  dual_clip: Optional[float] = None
+  adv_eps: float = 1e-6
+  kl_coef: float = 0.0
+  kl_estimator: str = "k3"
+  kl_in_reward: bool = False
+  entropy_coef: float = 0.0
+  off_policy: str = "none"
+  is_cap: float = 2.0
+  old_policy: str = "recompute"
+  max_len: Optional[int] = None
+  has_value_model: bool = False
+  gamma: float = 1.0
+  lam: float = 0.95
+  value_clip: float = 0.2
+
+  def __post_init__(self):
+    def one_of(field, options):
+      if getattr(self, field) not in options:
+        raise ValueError(f"AlgorithmConfig.{field}={getattr(self, field)!r}; expected one of {list(options)}")
+    one_of("advantage", ESTIMATORS)
+    one_of("policy_loss", tuple(policy_losses.POLICY_LOSSES))
+    one_of("loss_agg", AGG_MODES)
+    one_of("kl_estimator", KL_ESTIMATORS)
+    one_of("off_policy", IS_MODES)
+    one_of("old_policy", ("recompute", "behaviour"))
+    if self.eps_low < 0 or self.eps_high < 0:
+      raise ValueError(f"clip ranges must be >= 0, got eps_low={self.eps_low}, eps_high={self.eps_high}")
+    if self.policy_loss != "cispo" and self.eps_low >= 1:
+      raise ValueError(f"eps_low={self.eps_low} must be < 1 (the ratio's lower clip 1 - eps_low must be > 0)")
+    if self.dual_clip is not None and (self.policy_loss != "ppo" or self.dual_clip <= 1):
+      raise ValueError(f"dual_clip={self.dual_clip} needs policy_loss='ppo' and a value > 1")
+    if self.kl_coef < 0 or self.entropy_coef < 0:
+      raise ValueError(f"kl_coef={self.kl_coef} and entropy_coef={self.entropy_coef} must be >= 0")
+    if self.is_cap <= 0:
+      raise ValueError(f"is_cap={self.is_cap} must be > 0")
+    if self.advantage == "gae" and not self.has_value_model:
+      raise ValueError("advantage='gae' (PPO) needs a value model: set has_value_model=True")
+    if self.policy_loss == "gspo" and self.advantage == "gae":
+      raise ValueError("GSPO uses one advantage per sequence; it cannot take per-token GAE advantages")
+    if self.old_policy == "behaviour" and self.off_policy != "none":
+      raise ValueError("old_policy='behaviour' already takes the ratio against the sampler; set off_policy='none'")
+    if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+      raise ValueError(f"gamma={self.gamma} and lam={self.lam} must lie in [0, 1]")
+    if self.max_len is not None and self.max_len <= 0:
+      raise ValueError(f"max_len={self.max_len} must be positive")
+
+  def replace(self, **kw) -> "AlgorithmConfig":
+    return dataclasses.replace(self, **kw)
+
+  def advantages(self, rewards, group_size: int):
+    """Sequence advantages [B] from rewards [B] (P groups of `group_size` contiguous rows)."""
+    if self.advantage == "grpo":
+      return adv_lib.grpo_advantages(rewards, group_size, self.adv_eps)
+    if self.advantage == "dr_grpo":
+      return adv_lib.dr_grpo_advantages(rewards, group_size)
+    if self.advantage == "rloo":
+      return adv_lib.rloo_advantages(rewards, group_size)
+    if self.advantage == "reinforce_pp":
+      return adv_lib.reinforce_pp_advantages(rewards, group_size, self.adv_eps)
+    raise ValueError("advantage='gae' is per token and needs values: pass precomputed advantages "
+                     "(rlax.algorithms.gae_advantages) in the batch")
+
+  def policy_loss_fn(self):
+    """The per-token loss function with this config's clip parameters bound."""
+    fn = policy_losses.POLICY_LOSSES[self.policy_loss]
+    if self.policy_loss == "ppo":
+      return functools.partial(fn, eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip)
+    if self.policy_loss in ("gspo", "cispo"):
+      return functools.partial(fn, eps_low=self.eps_low, eps_high=self.eps_high)
+    return fn
+
+  def token_loss(self, logp, old_logp, advantages, mask):
+    """Per-token loss [B, T] and info (ratio, clipped); see policy_losses."""
+    return self.policy_loss_fn()(logp, old_logp, advantages, mask)
+
+
+_DEFAULTS = {
+    # DeepSeekMath: group-std advantages, PPO clip 0.2, per-sequence token mean, k3 KL with beta 0.04.
+    "grpo": dict(advantage="grpo", policy_loss="ppo", loss_agg="seq_mean_token_mean", kl_coef=0.04),
+    # Dr. GRPO: no std, no per-length normalization (constant normalizer), no KL.
+    "dr_grpo": dict(advantage="dr_grpo", policy_loss="ppo", loss_agg="seq_mean_token_sum_norm"),
+    # DAPO: clip-higher (0.2 / 0.28), token-level aggregation, no KL.
+    "dapo": dict(advantage="grpo", policy_loss="ppo", loss_agg="token_mean", eps_high=0.28),
+    "rloo": dict(advantage="rloo", policy_loss="ppo", loss_agg="token_mean"),
+    "reinforce_pp": dict(advantage="reinforce_pp", policy_loss="ppo", loss_agg="token_mean"),
+    # GSPO: sequence-level ratio with very narrow clip ranges.
+    "gspo": dict(advantage="grpo", policy_loss="gspo", loss_agg="seq_mean_token_mean", eps_low=3e-4,
+                 eps_high=4e-4),
+    "cispo": dict(advantage="grpo", policy_loss="cispo", loss_agg="token_mean", eps_low=1.0, eps_high=0.28),
+    "ppo": dict(advantage="gae", policy_loss="ppo", loss_agg="token_mean", has_value_model=True),
+}
+
+
+def known_algorithms() -> list[str]:
+  """Sorted names accepted by `get_algorithm`."""
+  return sorted(_DEFAULTS)
+
+
+def get_algorithm(name: str, **overrides) -> AlgorithmConfig:
+  """The named algorithm's config with its paper defaults, plus validated overrides."""
+  if name not in _DEFAULTS:
+    raise ValueError(f"unknown algorithm {name!r}; known: {', '.join(known_algorithms())}")
+  fields = {f.name for f in dataclasses.fields(AlgorithmConfig)}
+  unknown = sorted(set(overrides) - fields)
+  if unknown:
+    raise ValueError(f"unknown AlgorithmConfig field(s) for {name!r}: {', '.join(unknown)}")
+  return AlgorithmConfig(name=name, **{**_DEFAULTS[name], **overrides})

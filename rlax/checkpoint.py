@@ -1,0 +1,171 @@
+"""RL-state checkpoints with orbax: async, keep-last-N, periodic, atomic, and restorable on a new mesh.
+
+A checkpoint holds two items: `state`, any pytree of arrays (trainer params, optimizer state, RNG key
+data), and `meta`, a JSON dict (step, weight version, data-iterator position, seeds, rollout-queue
+regeneration info, metric history, config). Orbax writes each step into a temporary directory and
+renames it when complete, so a crash mid-save leaves no step that `restore_latest` would pick. A
+latest step that fails to read (truncated or missing files) is skipped with a warning naming the
+step and the error, falling back to the previous one; a checkpoint whose tree or shapes differ from
+the restore target is an error naming the leaf, never a partial restore. Restoring onto a different
+mesh or device count only needs a target tree of `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import warnings
+from typing import Any, Mapping
+
+from absl import logging
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+class IncompatibleCheckpointError(ValueError):
+  """The checkpoint's tree or shapes do not match the restore target (e.g. a different model config)."""
+
+
+def to_json(obj: Any) -> Any:
+  """JSON-able copy of `obj`: ConfigDicts, dataclasses, tuples, numpy scalars/arrays become plain JSON."""
+  if hasattr(obj, "to_dict") and callable(obj.to_dict):
+    return to_json(obj.to_dict())
+  if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    return to_json(dataclasses.asdict(obj))
+  if isinstance(obj, Mapping):
+    return {str(k): to_json(v) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [to_json(v) for v in obj]
+  if isinstance(obj, (np.generic, np.ndarray)) or (isinstance(obj, jax.Array) and obj.is_fully_addressable):
+    return np.asarray(obj).tolist()
+  if obj is None or isinstance(obj, (bool, int, float, str)):
+    return obj
+  raise ValueError(f"checkpoint meta value of type {type(obj).__name__} is not JSON-serializable: {obj!r:.80}")
+
+
+def _leaf_name(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path) or "<root>"
+
+
+def abstract_like(tree: Any) -> Any:
+  """Restore target with the same shapes, dtypes and shardings as the arrays of `tree`."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+class Checkpointer:
+  """Periodic, async, keep-last-`keep` checkpoints of (state tree, JSON meta) under `directory`.
+
+  `every_steps` / `every_seconds` drive `should_save(step, now)`; either may be None (off). `save`
+  returns immediately while orbax writes in the background (`wait()` blocks until it is on disk).
+  """
+
+  def __init__(self, directory: str, keep: int = 3, every_steps: int | None = None,
+               every_seconds: float | None = None, async_save: bool = True):
+    if keep < 1:
+      raise ValueError(f"Checkpointer keep={keep}: must keep at least one checkpoint")
+    for name, v in (("every_steps", every_steps), ("every_seconds", every_seconds)):
+      if v is not None and v <= 0:
+        raise ValueError(f"Checkpointer {name}={v} must be positive or None")
+    self.directory = str(directory)
+    self.every_steps, self.every_seconds = every_steps, every_seconds
+    # cleanup_tmp_directories: a crash mid-save leaves `<step>.orbax-checkpoint-tmp`; drop it on start.
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                           cleanup_tmp_directories=True)
+    self._mgr = ocp.CheckpointManager(
+        self.directory, options=options,
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+    self._last_time = time.time()
+    self._last_step = self._mgr.latest_step()
+
+  def all_steps(self) -> list[int]:
+    """Finalized steps on disk, ascending (temporary directories of unfinished saves excluded)."""
+    return sorted(self._mgr.all_steps())
+
+  def should_save(self, step: int, now: float | None = None) -> bool:
+    """True if `step` is a multiple of `every_steps` or `every_seconds` passed since the last save."""
+    if self._last_step is not None and step <= self._last_step:
+      return False
+    now = time.time() if now is None else now
+    by_steps = self.every_steps is not None and step % self.every_steps == 0
+    by_time = self.every_seconds is not None and now - self._last_time >= self.every_seconds
+    return by_steps or by_time
+
+  def save(self, step: int, state: Any, meta: Mapping[str, Any] | None = None, force: bool = False,
+           now: float | None = None) -> bool:
+    """Start an async save of `state` (pytree of arrays) and `meta` (JSON dict) at `step`.
+
+    Without `force`, saves only when `should_save(step, now)`; `force` is for preemption notices and
+    the last step. Returns whether a save was started.
+    """
+    if not force and not self.should_save(step, now):
+      return False
+    if self._last_step is not None and step <= self._last_step:
+      raise ValueError(f"checkpoint step {step} is not after the latest saved step {self._last_step}")
+    meta_json = to_json(dict(meta or {}))
+    json.dumps(meta_json)  # fail here, not in the background thread
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta_json))
+    self._mgr.save(step, args=args, force=True)
+    self._last_step, self._last_time = step, time.time() if now is None else now
+    logging.info("checkpoint: started async save of step %d to %s", step, self.directory)
+    return True
+
+  def _check_compatible(self, step: int, target: Any) -> None:
+    """Raise IncompatibleCheckpointError naming the first leaf whose path or shape differs."""
+    stored = self._mgr.item_metadata(step)["state"]
+    stored = getattr(stored, "tree", stored)
+    if stored is None:
+      raise RuntimeError(f"step {step}: state metadata is missing")
+    got = {_leaf_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(stored)[0]}
+    want = {_leaf_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+    for name in sorted(set(got) | set(want)):
+      if name not in got:
+        raise IncompatibleCheckpointError(
+            f"checkpoint step {step} in {self.directory} has no leaf {name!r} that the target expects")
+      if name not in want:
+        raise IncompatibleCheckpointError(
+            f"checkpoint step {step} in {self.directory} has leaf {name!r} that the target does not have")
+      if got[name] != want[name]:
+        raise IncompatibleCheckpointError(
+            f"checkpoint step {step} leaf {name!r} has shape {got[name]}, target expects {want[name]}")
+
+  def restore(self, step: int, target: Any) -> tuple[int, Any, dict]:
+    """Restore `step` onto `target` (tree of ShapeDtypeStruct with shardings; dtypes are cast)."""
+    self._check_compatible(step, target)
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+    out = self._mgr.restore(step, args=args)
+    jax.block_until_ready(out["state"])
+    return step, out["state"], dict(out["meta"])
+
+  def restore_latest(self, target: Any) -> tuple[int, Any, dict] | None:
+    """Newest readable checkpoint as (step, state, meta), or None when there is none.
+
+    An unreadable step (corrupt or partial files) is skipped with a warning and the previous one is
+    tried; an incompatible tree/shape raises IncompatibleCheckpointError at once.
+    """
+    self.wait()
+    for step in reversed(self.all_steps()):
+      try:
+        return self.restore(step, target)
+      except IncompatibleCheckpointError:
+        raise
+      except Exception as e:  # orbax/tensorstore raise many types for unreadable files
+        msg = (f"checkpoint step {step} in {self.directory} is unreadable, falling back to an earlier "
+               f"one: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        logging.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    return None
+
+  def wait(self) -> None:
+    """Block until every started save is finalized on disk."""
+    self._mgr.wait_until_finished()
+
+  def close(self) -> None:
+    self._mgr.close()
+
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

@@ -1,0 +1,86 @@
+"""DAPO dynamic sampling: drop prompt groups whose rewards all tie, refill the batch to its size.
+
+A group (the n samples of one prompt) whose rewards are all equal has zero advantage under
+group-normalized estimators (GRPO/DAPO), so it only dilutes the gradient. `informative_groups` is
+the pure function over a [G, n] reward array; `GroupBuffer` accumulates informative groups across
+sampling rounds until a fixed number of groups is ready, so the train step's batch shape never
+changes (no recompiles) while every group in it carries signal.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from absl import logging
+import numpy as np
+
+
+def informative_groups(rewards, atol: float = 1e-6) -> tuple[np.ndarray, int]:
+  """Keep mask [G] (False where max - min ≤ atol across a group's n rewards) and the dropped count.
+
+  `rewards`: [G, n] array, one row per prompt group.
+  """
+  r = np.asarray(rewards, dtype=np.float64)
+  if r.ndim != 2 or r.shape[1] < 1:
+    raise ValueError(f"rewards must be [groups, samples], got shape {r.shape}")
+  keep = (r.max(axis=1) - r.min(axis=1)) > atol
+  return keep, int(r.shape[0] - keep.sum())
+
+
+def refill_count(rewards, target_groups: int, atol: float = 1e-6) -> int:
+  """How many more groups must be sampled so that `target_groups` informative ones are available,
+  assuming refills are as informative as this round (at least the raw shortfall)."""
+  keep, _ = informative_groups(rewards, atol)
+  shortfall = target_groups - int(keep.sum())
+  if shortfall <= 0:
+    return 0
+  frac = max(keep.mean(), 1.0 / max(len(keep), 1))
+  return max(shortfall, int(np.ceil(shortfall / frac)))
+
+
+class GroupBuffer:
+  """Accumulates informative groups until a batch of exactly `target_groups` can be taken.
+
+  Surplus groups carry over to the next batch (they are fresh enough: same policy version or one
+  newer, which the controller's staleness bound covers). Counters report what was dropped.
+  """
+
+  def __init__(self, target_groups: int, atol: float = 1e-6):
+    if target_groups <= 0:
+      raise ValueError(f"target_groups must be positive, got {target_groups}")
+    self.target, self.atol = target_groups, atol
+    self._groups: list[Any] = []
+    self._rewards: list[np.ndarray] = []
+    self.dropped = 0
+    self.seen = 0
+
+  def add(self, groups: Sequence[Any], rewards) -> int:
+    """Adds one round: `groups` (G opaque items) with their [G, n] rewards; returns how many were kept."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if len(groups) != r.shape[0]:
+      raise ValueError(f"{len(groups)} groups but rewards has {r.shape[0]} rows")
+    keep, dropped = informative_groups(r, self.atol)
+    self.seen += len(groups)
+    self.dropped += dropped
+    for g, row, k in zip(groups, r, keep):
+      if k:
+        self._groups.append(g)
+        self._rewards.append(row)
+    logging.info("dynamic sampling: dropped %d of %d groups with tied rewards; %d/%d buffered",
+                 dropped, len(groups), len(self._groups), self.target)
+    return int(keep.sum())
+
+  def needed(self) -> int:
+    """Informative groups still missing for the next batch (0 when ready)."""
+    return max(0, self.target - len(self._groups))
+
+  def ready(self) -> bool:
+    return not self.needed()
+
+  def pop_batch(self) -> tuple[list[Any], np.ndarray]:
+    """Exactly `target_groups` groups (oldest first) and their [target, n] rewards."""
+    if not self.ready():
+      raise ValueError(f"batch not ready: {len(self._groups)} of {self.target} groups buffered")
+    groups, self._groups = self._groups[:self.target], self._groups[self.target:]
+    rewards, self._rewards = self._rewards[:self.target], self._rewards[self.target:]
+    return groups, np.stack(rewards)

@@ -1,0 +1,165 @@
+"""Seeded synthetic tasks with controllable difficulty: arithmetic, Countdown, small programs.
+
+Every generator is a pure function of (n, difficulty, seed): the same arguments give the same
+records, ids included, on any machine (`random.Random(seed)`, no global state). Difficulty is an
+integer ≥ 1; what it controls is stated per task. The prompts ask for the final answer inside
+`<answer>...</answer>` (code: a ```python block), which is what the matching rewards in
+`rlax.rewards` parse.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+from rlax.data import expr
+from rlax.data.records import Record
+
+ANSWER_INSTRUCTION = "Give the final answer inside <answer></answer>."
+
+
+def _check(n: int, difficulty: int):
+  if n < 0:
+    raise ValueError(f"n must be non-negative, got {n}")
+  if difficulty < 1:
+    raise ValueError(f"difficulty must be >= 1, got {difficulty}")
+
+
+def arithmetic(n: int, difficulty: int = 1, seed: int = 0) -> list[Record]:
+  """Multi-digit integer arithmetic. Difficulty d: operands have d digits, there are
+  2 + (d >= 3) + (d >= 5) operands, ops are + - (d = 1) or + - * (d >= 2); usual precedence."""
+  _check(n, difficulty)
+  rng = random.Random(f"arithmetic/{difficulty}/{seed}")
+  n_operands = 2 + (difficulty >= 3) + (difficulty >= 5)
+  ops = "+-" if difficulty == 1 else "+-*"
+  lo, hi = (0 if difficulty == 1 else 10 ** (difficulty - 1)), 10**difficulty - 1
+  out = []
+  for i in range(n):
+    nums = [rng.randint(lo, hi) for _ in range(n_operands)]
+    text = str(nums[0])
+    for x in nums[1:]:
+      text += f" {rng.choice(ops)} {x}"
+    value, _ = expr.evaluate(text)
+    out.append(Record(
+        id=f"arithmetic-d{difficulty}-s{seed}-{i}", prompt=f"What is {text}? {ANSWER_INSTRUCTION}",
+        answer=str(int(value)), task="arithmetic", source="synthetic/arithmetic",
+        difficulty=float(difficulty), metadata={"expression": text}))
+  return out
+
+
+def _random_expression(rng: random.Random, nums: list[int]) -> tuple[str, int] | None:
+  """A random full binary expression over `nums` (each used once) with an integer value, or None."""
+  items = [(str(x), x) for x in nums]
+  while len(items) > 1:
+    i, j = rng.sample(range(len(items)), 2)
+    (ta, a), (tb, b) = items[i], items[j]
+    choices = [("+", a + b), ("*", a * b)]
+    if a > b:
+      choices.append(("-", a - b))
+    if b and a % b == 0 and b != 1:
+      choices.append(("/", a // b))
+    op, v = rng.choice(choices)
+    items = [it for k, it in enumerate(items) if k not in (i, j)] + [(f"({ta} {op} {tb})", v)]
+  return items[0]
+
+
+def countdown(n: int, difficulty: int = 1, seed: int = 0) -> list[Record]:
+  """Countdown: reach the target using each given number exactly once with + - * / and parentheses.
+  Difficulty d: 2 + d numbers drawn from 1..(10 + 15 d); targets are integers in [10, 999] built
+  from a random expression, so every problem is solvable (`metadata['solution']`)."""
+  _check(n, difficulty)
+  rng = random.Random(f"countdown/{difficulty}/{seed}")
+  k, top = 2 + difficulty, 10 + 15 * difficulty
+  out = []
+  while len(out) < n:
+    nums = [rng.randint(1, top) for _ in range(k)]
+    solution, target = _random_expression(rng, nums)
+    if not 10 <= target <= 999:
+      continue
+    i = len(out)
+    out.append(Record(
+        id=f"countdown-d{difficulty}-s{seed}-{i}",
+        prompt=(f"Using the numbers {nums}, each exactly once, and the operations + - * / with "
+                f"parentheses, write an expression equal to {target}. Put the expression inside "
+                "<answer></answer>."),
+        answer=str(target), task="countdown", source="synthetic/countdown",
+        difficulty=float(difficulty), metadata={"numbers": nums, "target": target,
+                                                "solution": solution[1:-1]}))
+  return out
+
+
+def _args_int(rng):
+  return (rng.randint(-50, 50),)
+
+
+def _args_list(rng):
+  return ([rng.randint(-20, 20) for _ in range(rng.randint(0, 8))],)
+
+
+def _args_str(rng):
+  return ("".join(rng.choice("abcdeiou xyz") for _ in range(rng.randint(0, 12))),)
+
+
+def _args_nat(rng):
+  return (rng.randint(0, 20),)
+
+
+# (name, signature, description, reference source, argument generator, difficulty tier)
+_PROGRAMS: list[tuple[str, str, str, str, Callable, int]] = [
+    ("affine", "f(x)", "returns {a} * x + {b}", "def f(x):\n    return {a} * x + {b}\n", _args_int, 1),
+    ("clip", "f(x)", "returns x clipped to the range [{lo}, {hi}]",
+     "def f(x):\n    return max({lo}, min({hi}, x))\n", _args_int, 1),
+    ("count_char", "f(s)", "returns how many times the character '{c}' occurs in the string s",
+     "def f(s):\n    return s.count('{c}')\n", _args_str, 1),
+    ("sum_over", "f(xs)", "returns the sum of the elements of the list xs that are greater than {a}",
+     "def f(xs):\n    return sum(x for x in xs if x > {a})\n", _args_list, 2),
+    ("reverse_words", "f(s)", "returns the words of s (split on whitespace) in reverse order, joined by "
+     "'{sep}'", "def f(s):\n    return '{sep}'.join(reversed(s.split()))\n", _args_str, 2),
+    ("digit_sum", "f(x)", "returns the sum of the decimal digits of abs(x) times {a}",
+     "def f(x):\n    return {a} * sum(int(d) for d in str(abs(x)))\n", _args_int, 2),
+    ("fib_mod", "f(n)", "returns the n-th Fibonacci number (f(0) = 0, f(1) = 1) modulo {m}",
+     "def f(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a % {m}\n",
+     _args_nat, 3),
+    ("running_max", "f(xs)", "returns the list of running maxima of xs, plus {a} each",
+     "def f(xs):\n    out, m = [], None\n    for x in xs:\n        m = x if m is None else max(m, x)\n"
+     "        out.append(m + {a})\n    return out\n", _args_list, 3),
+]
+
+
+def program(n: int, difficulty: int = 1, seed: int = 0, n_tests: int = 5) -> list[Record]:
+  """Small Python functions checked by asserts. Difficulty d draws templates of tier ≤ d (1–3:
+  one-liners, list/string processing, loops) with random constants; `tests` are `assert` lines
+  computed from the reference solution (`metadata['solution']`)."""
+  _check(n, difficulty)
+  rng = random.Random(f"program/{difficulty}/{seed}")
+  pool = [p for p in _PROGRAMS if p[5] <= difficulty]
+  out = []
+  for i in range(n):
+    name, sig, desc, src, argfn, _ = rng.choice(pool)
+    consts = {"a": rng.randint(2, 9), "b": rng.randint(-9, 9), "lo": rng.randint(-10, 0),
+              "hi": rng.randint(1, 10), "c": rng.choice("aeiouxyz"), "sep": rng.choice(["-", ",", " "]),
+              "m": rng.choice([7, 11, 97, 1000])}
+    solution = src.format(**consts)
+    scope: dict = {}
+    exec(solution, scope)  # pylint: disable=exec-used  # our own template, not model output
+    tests = []
+    for _ in range(n_tests):
+      args = argfn(rng)
+      tests.append(f"assert f({', '.join(map(repr, args))}) == {scope['f'](*args)!r}")
+    out.append(Record(
+        id=f"program-d{difficulty}-s{seed}-{i}",
+        prompt=(f"Write a Python function `{sig}` that {desc.format(**consts)}. Reply with the code "
+                "in a ```python block."),
+        tests=tuple(tests), task="code", source="synthetic/program", difficulty=float(difficulty),
+        metadata={"template": name, "solution": solution}))
+  return out
+
+
+GENERATORS = {"arithmetic": arithmetic, "countdown": countdown, "program": program}
+
+
+def generate(task: str, n: int, difficulty: int = 1, seed: int = 0) -> list[Record]:
+  """Dispatches to the generator named `task` (one of GENERATORS)."""
+  if task not in GENERATORS:
+    raise ValueError(f"unknown synthetic task {task!r}; choose from {sorted(GENERATORS)}")
+  return GENERATORS[task](n, difficulty=difficulty, seed=seed)

@@ -1,0 +1,109 @@
+"""The tokenizer (and chat template) stored next to an HF checkpoint, without transformers.
+
+Built on the `tokenizers` library (a core dependency) so that it behaves the
+same whether or not transformers is installed. The chat template is read from
+`chat_template.jinja` or `tokenizer_config.json` and rendered the way
+transformers renders it (sandboxed jinja2, trim_blocks, lstrip_blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from datetime import datetime
+from typing import Any, Optional, Sequence
+
+import tokenizers
+
+_SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def _content(tok) -> Optional[str]:
+  """Special tokens are saved either as strings or as serialized AddedToken dicts."""
+  return tok.get("content") if isinstance(tok, dict) else tok
+
+
+@dataclasses.dataclass
+class Tokenizer:
+  """A `tokenizers.Tokenizer` plus the special tokens and chat template of its checkpoint."""
+  backend: tokenizers.Tokenizer
+  special_tokens: dict[str, str]
+  chat_template: Optional[str] = None
+  eos_token_ids: tuple[int, ...] = ()
+
+  @property
+  def vocab_size(self) -> int:
+    return self.backend.get_vocab_size(with_added_tokens=True)
+
+  def token_id(self, name: str) -> Optional[int]:
+    """Id of a special token by role ('bos_token', 'eos_token', 'pad_token'), or None."""
+    tok = self.special_tokens.get(name)
+    return None if tok is None else self.backend.token_to_id(tok)
+
+  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+  def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                          tokenize: bool = False, **kwargs):
+    """Renders `messages` ([{'role', 'content'}, ...]) with the checkpoint's template.
+
+    Returns the prompt string, or its token ids (no special tokens added: the
+    template writes them) when `tokenize`.
+    """
+    if self.chat_template is None:
+      raise ValueError("this tokenizer has no chat template (tokenizer_config.json, chat_template.jinja)")
+    import jinja2.sandbox  # only needed for chat templates
+
+    def raise_exception(msg):
+      raise jinja2.exceptions.TemplateError(msg)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii)
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    text = env.from_string(self.chat_template).render(
+        messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs)
+    return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _read_json(path: str) -> dict:
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+  """Tokenizer from an HF checkpoint directory (tokenizer.json, tokenizer_config.json, chat template).
+
+  eos_token_ids collects the tokenizer's eos token and the `eos_token_id`(s) of
+  generation_config.json / config.json, since chat models stop on several.
+  """
+  tok_file = os.path.join(path, "tokenizer.json")
+  if not os.path.exists(tok_file):
+    raise FileNotFoundError(f"no tokenizer.json in {path} (only fast tokenizers are supported)")
+  backend = tokenizers.Tokenizer.from_file(tok_file)
+  tcfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+  special = {k: _content(tcfg[k]) for k in _SPECIAL if tcfg.get(k) is not None}
+  template = tcfg.get("chat_template")
+  if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+    template = {t["name"]: t["template"] for t in template}.get("default")
+  jinja_file = os.path.join(path, "chat_template.jinja")
+  if os.path.exists(jinja_file):
+    with open(jinja_file) as f:
+      template = f.read()
+  eos = []
+  if "eos_token" in special and backend.token_to_id(special["eos_token"]) is not None:
+    eos.append(backend.token_to_id(special["eos_token"]))
+  for name in ("generation_config.json", "config.json"):
+    ids = _read_json(os.path.join(path, name)).get("eos_token_id")
+    for i in ([] if ids is None else [ids] if isinstance(ids, int) else ids):
+      if i not in eos:
+        eos.append(int(i))
+  return Tokenizer(backend=backend, special_tokens=special, chat_template=template, eos_token_ids=tuple(eos))

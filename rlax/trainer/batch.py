@@ -1,0 +1,99 @@
+"""The batch structures the sampler fills, the controller queues and the trainer consumes.
+
+Layout of one row (T = prompt + response slots):
+
+    tokens      [pad pad p0 p1 p2 | r0 r1 r2 pad]    prompt LEFT-padded, response RIGHT-padded
+    input_mask  [ 0   0  1  1  1  |  1  1  1   0 ]   real tokens
+    loss_mask      [ 0  0  0  0  1  1  1   0 ]       length T-1: index t scores tokens[t+1], so the
+                                                     1s sit one to the left of the response tokens
+
+`loss_mask`, `behaviour_logprobs` and `ref_logprobs` are [B, T-1] and aligned
+with `rlax.models.token_logprobs` (whose index t is log p(tokens[t+1] | tokens[:t+1])).
+Rows are P prompt groups of G contiguous samples (rlax.algorithms convention).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@flax.struct.dataclass
+class RolloutBatch:
+  """One RL batch of B sequences of T tokens (see module doc for the layout).
+
+  tokens [B,T] int32; input_mask [B,T] bool; loss_mask [B,T-1] f32 (1 on scored
+  response tokens); behaviour_logprobs [B,T-1] f32 (the sampler's, at its
+  temperature); ref_logprobs [B,T-1] or None (fill with Trainer.ref_logprobs);
+  rewards [B] f32; advantages [B] or [B,T-1] or None (None: the trainer computes
+  them from rewards with the algorithm's estimator); versions [B] int32 (weight
+  version that sampled each row); group_ids [B] int32 (prompt id of each row).
+  """
+  tokens: jax.Array
+  input_mask: jax.Array
+  loss_mask: jax.Array
+  behaviour_logprobs: jax.Array
+  rewards: jax.Array
+  versions: jax.Array
+  group_ids: jax.Array
+  ref_logprobs: Optional[jax.Array] = None
+  advantages: Optional[jax.Array] = None
+
+  @property
+  def batch_size(self) -> int:
+    return self.tokens.shape[0]
+
+  def check(self, group_size: Optional[int] = None) -> "RolloutBatch":
+    """Raises ValueError naming the first field whose shape or dtype is wrong; returns self."""
+    if self.tokens.ndim != 2:
+      raise ValueError(f"RolloutBatch.tokens must be [B, T], got shape {self.tokens.shape}")
+    B, T = self.tokens.shape
+    if T < 2:
+      raise ValueError(f"RolloutBatch.tokens needs T >= 2 (one scored token), got T={T}")
+    if not jnp.issubdtype(self.tokens.dtype, jnp.integer):
+      raise ValueError(f"RolloutBatch.tokens must be integer, got {self.tokens.dtype}")
+    want = {"input_mask": (B, T), "loss_mask": (B, T - 1), "behaviour_logprobs": (B, T - 1),
+            "rewards": (B,), "versions": (B,), "group_ids": (B,)}
+    if self.ref_logprobs is not None:
+      want["ref_logprobs"] = (B, T - 1)
+    for name, shape in want.items():
+      got = tuple(getattr(self, name).shape)
+      if got != shape:
+        raise ValueError(f"RolloutBatch.{name} has shape {got}, expected {shape} for tokens {(B, T)}")
+    if self.advantages is not None and tuple(self.advantages.shape) not in ((B,), (B, T - 1)):
+      raise ValueError(f"RolloutBatch.advantages has shape {self.advantages.shape}, expected {(B,)} or "
+                       f"{(B, T - 1)}")
+    if group_size is not None and (group_size < 1 or B % group_size):
+      raise ValueError(f"batch of {B} rows is not a whole number of groups of group_size={group_size}")
+    return self
+
+
+@flax.struct.dataclass
+class SFTBatch:
+  """Supervised batch: tokens [B,T] int32, input_mask [B,T] bool, loss_mask [B,T-1] (1 on target tokens)."""
+  tokens: jax.Array
+  input_mask: jax.Array
+  loss_mask: jax.Array
+
+  def check(self) -> "SFTBatch":
+    if self.tokens.ndim != 2 or self.tokens.shape[1] < 2:
+      raise ValueError(f"SFTBatch.tokens must be [B, T] with T >= 2, got shape {self.tokens.shape}")
+    B, T = self.tokens.shape
+    for name, shape in {"input_mask": (B, T), "loss_mask": (B, T - 1)}.items():
+      if tuple(getattr(self, name).shape) != shape:
+        raise ValueError(f"SFTBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected {shape}")
+    return self
+
+
+def response_loss_mask(input_mask, prompt_len: int) -> np.ndarray:
+  """loss_mask [B, T-1] for rows whose first `prompt_len` slots are the (left-padded) prompt.
+
+  Scores every real token after the prompt: loss_mask[:, t] = input_mask[:, t+1] for t+1 >= prompt_len.
+  """
+  m = np.asarray(input_mask, np.float32)[:, 1:].copy()
+  m[:, : max(prompt_len - 1, 0)] = 0.0
+  return m

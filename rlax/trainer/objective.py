@@ -1,0 +1,117 @@
+"""The RL objective of one micro-batch: recompute log-probs, then registry loss + KL + entropy + IS correction."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from rlax import algorithms as A
+from rlax import models as M
+from rlax.trainer.batch import RolloutBatch
+
+
+@flax.struct.dataclass
+class LossInputs:
+  """The per-row arrays the loss needs (a RolloutBatch minus bookkeeping, plus advantages [B] or [B,T-1])."""
+  tokens: jax.Array
+  input_mask: jax.Array
+  loss_mask: jax.Array
+  behaviour_logprobs: jax.Array
+  advantages: jax.Array
+  ref_logprobs: Optional[jax.Array] = None
+
+
+def batch_advantages(algo: A.AlgorithmConfig, batch: RolloutBatch, group_size: int) -> jax.Array:
+  """The batch's advantages if given, else the estimator's on (optionally KL-shaped) rewards; [B] or [B,T-1]."""
+  if batch.advantages is not None:
+    return batch.advantages.astype(jnp.float32)
+  rewards = batch.rewards
+  if algo.kl_coef > 0 and algo.kl_in_reward:
+    if batch.ref_logprobs is None:
+      raise ValueError(f"{algo.name}: kl_in_reward needs batch.ref_logprobs (fill with Trainer.ref_logprobs)")
+    rewards = A.kl_penalized_rewards(rewards, batch.behaviour_logprobs, batch.ref_logprobs, batch.loss_mask,
+                                     algo.kl_coef, algo.kl_estimator)
+  return algo.advantages(rewards, group_size)
+
+
+def loss_inputs(algo: A.AlgorithmConfig, batch: RolloutBatch, group_size: int) -> LossInputs:
+  """The loss's view of a full batch (advantages computed, masks cast); raises if a needed input is missing."""
+  needs_ref = algo.kl_coef > 0 and not algo.kl_in_reward
+  if needs_ref and batch.ref_logprobs is None:
+    raise ValueError(f"{algo.name} has kl_coef={algo.kl_coef}: fill batch.ref_logprobs (Trainer.ref_logprobs)")
+  return LossInputs(tokens=batch.tokens, input_mask=batch.input_mask.astype(bool),
+                    loss_mask=batch.loss_mask.astype(jnp.float32),
+                    behaviour_logprobs=batch.behaviour_logprobs.astype(jnp.float32),
+                    advantages=batch_advantages(algo, batch, group_size),
+                    ref_logprobs=batch.ref_logprobs)
+
+
+def rl_loss(params, model_cfg: M.ModelConfig, algo: A.AlgorithmConfig, mb: LossInputs, *, num_tokens, num_seqs,
+            num_rows: int, chunk: int = 256, temperature: float = 1.0) -> tuple[jax.Array, dict]:
+  """Loss of one micro-batch, normalized by full-batch denominators, and its metric sums.
+
+  Per token: policy loss (x detached IS weight) + kl_coef * KL + entropy bonus,
+  reduced with `algo.loss_agg`. The "old" policy is the current log-probs,
+  detached (exact for one update per batch), or the sampler's when
+  algo.old_policy == "behaviour". Metrics are sums / extremes over this
+  micro-batch; the trainer reduces them over micro-batches.
+  """
+  lp, ent = M.token_logprobs(params, model_cfg, mb.tokens, input_mask=mb.input_mask, chunk=chunk,
+                             temperature=temperature, with_entropy=True)
+  m = mb.loss_mask
+  behaviour = mb.behaviour_logprobs
+  old = jax.lax.stop_gradient(lp) if algo.old_policy == "recompute" else behaviour
+  tok_loss, info = algo.token_loss(lp, old, mb.advantages, m)
+  is_mode = algo.off_policy if algo.old_policy == "recompute" else "none"
+  w, is_stats = A.importance_weights(old, behaviour, m, is_mode, algo.is_cap)
+  pg_tok = tok_loss * w
+  total = pg_tok
+  kl = None
+  if mb.ref_logprobs is not None:
+    # Reported whenever reference log-probs are given; a loss term only for KL-in-loss algorithms.
+    kl = A.kl_estimate(lp, mb.ref_logprobs, algo.kl_estimator) * m
+    if algo.kl_coef > 0 and not algo.kl_in_reward:
+      total = total + algo.kl_coef * kl
+  if algo.entropy_coef:
+    total = total + A.entropy_bonus(ent, m, algo.entropy_coef)
+  agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, num_rows=num_rows, max_len=algo.max_len)
+  loss = A.aggregate(total, m, algo.loss_agg, **agg)
+
+  tokens = jnp.sum(m)
+  ratio = jnp.where(m > 0, info["ratio"], jnp.nan)
+  diff = jnp.abs(jax.lax.stop_gradient(lp) - behaviour) * m
+  metrics = {
+      "pg_loss": A.aggregate(jax.lax.stop_gradient(pg_tok), m, algo.loss_agg, **agg),
+      "kl_sum": jnp.sum(jax.lax.stop_gradient(kl)) if kl is not None else jnp.zeros(()),
+      "entropy_sum": jnp.sum(jax.lax.stop_gradient(ent) * m),
+      "clipped_sum": jnp.sum(info["clipped"]),
+      "ratio_sum": jnp.sum(jnp.nan_to_num(jax.lax.stop_gradient(ratio))),
+      "ratio_max": jnp.nanmax(jnp.where(tokens > 0, ratio, 1.0)),
+      "ratio_min": jnp.nanmin(jnp.where(tokens > 0, ratio, 1.0)),
+      "is_ratio_sum": is_stats["is_ratio_mean"] * tokens,
+      "is_ratio_max": is_stats["is_ratio_max"],
+      "is_ratio_min": is_stats["is_ratio_min"],
+      "is_truncated_sum": is_stats["is_frac_truncated"] * tokens,
+      "logp_diff_sum": jnp.sum(diff),
+      "logp_diff_max": jnp.max(diff),
+      "tokens": tokens,
+  }
+  return loss, metrics
+
+
+def reduce_metrics(stacked: dict, loss: jax.Array, grad_norm: jax.Array, lr: jax.Array) -> dict:
+  """Micro-batch metric sums/extremes ([n] each) -> one scalar per metric for the whole batch."""
+  tokens = jnp.sum(stacked["tokens"])
+  per_tok = lambda k: jnp.sum(stacked[k]) / jnp.maximum(tokens, 1.0)
+  return {
+      "loss": loss, "pg_loss": jnp.sum(stacked["pg_loss"]), "kl": per_tok("kl_sum"),
+      "entropy": per_tok("entropy_sum"), "clip_frac": per_tok("clipped_sum"),
+      "ratio_mean": per_tok("ratio_sum"), "ratio_max": jnp.max(stacked["ratio_max"]),
+      "ratio_min": jnp.min(stacked["ratio_min"]), "is_ratio_mean": per_tok("is_ratio_sum"),
+      "is_ratio_max": jnp.max(stacked["is_ratio_max"]), "is_ratio_min": jnp.min(stacked["is_ratio_min"]),
+      "is_frac_truncated": per_tok("is_truncated_sum"), "logp_diff_mean": per_tok("logp_diff_sum"),
+      "logp_diff_max": jnp.max(stacked["logp_diff_max"]), "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
+  }

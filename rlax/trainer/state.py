@@ -1,0 +1,70 @@
+"""Train state and the shared update machinery: gradient accumulation over micro-batches + one optax step."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from rlax.models import constrain
+
+
+@flax.struct.dataclass
+class TrainState:
+  """step [] int32, params (rlax.models parameter dict), opt_state (the optax state of `params`)."""
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def split_micro_batches(tree: Any, n: int) -> Any:
+  """[B, ...] leaves -> [n, B/n, ...]; micro-batch i takes rows i, i+n, i+2n, ...
+
+  Strided (not contiguous) so that each micro-batch keeps the batch dimension's
+  sharding: row b lives on the same device before and after the split.
+  """
+  def one(x):
+    if x.shape[0] % n:
+      raise ValueError(f"batch dimension {x.shape[0]} is not divisible by micro_batches={n}")
+    return jnp.moveaxis(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 1, 0)
+  return jax.tree.map(one, tree)
+
+
+def _shard_rows(tree: Any) -> Any:
+  return jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1)), tree)
+
+
+def accumulate_gradients(loss_fn: Callable[[Any, Any], tuple[jax.Array, dict]], params: Any, batch: Any,
+                         micro_batches: int) -> tuple[Any, jax.Array, dict]:
+  """Sums loss and gradients of `loss_fn(params, micro_batch) -> (loss, metrics)` over micro-batches.
+
+  `loss_fn` must already be normalized by global (full-batch) denominators so
+  that the sum equals the full-batch loss. Returns (grads, loss, metrics) with
+  every metric stacked over micro-batches ([n, ...]) for the caller to reduce.
+  One micro-batch skips the scan, so its program is the plain full-batch step.
+  """
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  if micro_batches == 1:
+    (loss, metrics), grads = grad_fn(params, batch)
+    return grads, loss, jax.tree.map(lambda x: x[None], metrics)
+  mbs = split_micro_batches(batch, micro_batches)
+
+  def body(acc, mb):
+    (loss, metrics), grads = grad_fn(params, _shard_rows(mb))
+    acc_g, acc_l = acc
+    return (jax.tree.map(jnp.add, acc_g, grads), acc_l + loss), metrics
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  (grads, loss), metrics = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), mbs)
+  return grads, loss, metrics
+
+
+def apply_gradients(tx: optax.GradientTransformation, state: TrainState, grads: Any
+                    ) -> tuple[TrainState, jax.Array]:
+  """One optimizer update; returns the new state and the global gradient norm (before clipping)."""
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), optax.tree.norm(grads)
