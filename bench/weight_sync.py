@@ -8,13 +8,14 @@ that arrive on the sampler (bf16 for the push, f32 for the copy), so `ratio` is 
 and `time_speedup` is how much sooner the sampler has its weights; `nocast_ratio` repeats the push
 in f32 (same bytes as the copy) to isolate the bucketing overhead. Last line: JSON.
 
-  python bench/weight_sync.py                          # ~640 MB f32 model, whole-tree push
-  python bench/weight_sync.py --mode=per_layer --reps=5
+  python bench/weight_sync.py                          # ~640 MB f32 model, one bucket per layer
+  python bench/weight_sync.py --mode=whole --reps=5
   python bench/weight_sync.py --mode=bytes --bucket_mb=64
 """
 
 import jax
 
+jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)  # before any JAX operation
 
 import json  # noqa: E402
@@ -35,7 +36,7 @@ flags.DEFINE_integer("kv_heads", 8, "key/value heads")
 flags.DEFINE_integer("head_dim", 64, "head dimension")
 flags.DEFINE_integer("mlp", 2816, "MLP hidden size")
 flags.DEFINE_integer("reps", 5, "timed repetitions (after one warm-up)")
-flags.DEFINE_enum("mode", "whole", ["whole", "per_layer", "bytes"], "parameter-server bucketing")
+flags.DEFINE_enum("mode", "per_layer", ["whole", "per_layer", "bytes"], "parameter-server bucketing")
 flags.DEFINE_integer("bucket_mb", 64, "bucket size in MB for --mode=bytes")
 flags.DEFINE_string("dtype", "bfloat16", "sampler dtype")
 FLAGS = flags.FLAGS

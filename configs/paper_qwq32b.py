@@ -6,7 +6,8 @@
 Slice 0 (512 chips) trains, slice 1 (512 chips) samples; weights cross the slices over DCN through
 `rlax.multihost.CrossMeshPush` (or device_put under Pathways). Responses are long (up to 15k new tokens
 after a 1k prompt: 16k-token sequences). `c.plan` holds the plan-only fields: target topology and the
-chip's published figures. `get_config("32k")` doubles the response length (32k sequences).
+chip's published figures. `get_config("32k")` doubles the response length (32k sequences);
+`get_config("tiny")` keeps the structure but shrinks model and topology to 8 local devices (tests, CPU).
 """
 
 import ml_collections
@@ -50,5 +51,22 @@ def get_config(arg: str | None = None):
   c.plan = plan_fields("v5p:8x8x8", 2, sampler_batch=1024)
   if arg == "32k":
     c.rollout.max_new_tokens = 31 * 1024
-    c.optimizer.micro_batches = 16
+  elif arg == "tiny":
+    shrink(c)
+  elif arg:
+    raise ValueError(f"configs/paper_qwq32b.py: unknown argument {arg!r}; use '32k' or 'tiny'")
   return c
+
+
+def shrink(c) -> None:
+  """Same structure on 8 local devices: a 2-layer model, 2 simulated slices of 4, short sequences."""
+  c.model.preset = "w1"
+  c.model.overrides = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                           mlp_dim=128, scan_layers=True, remat=True)
+  c.topology.slice_size = 4
+  c.topology.trainer_mesh = dict(data=1, fsdp=-1, tensor=2)
+  c.topology.sampler_mesh = dict(data=-1, fsdp=1, tensor=2)
+  c.rollout.prompts_per_step, c.rollout.samples_per_prompt = 4, 4
+  c.rollout.max_prompt_len, c.rollout.max_new_tokens, c.rollout.decode_chunk = 16, 16, 0
+  c.optimizer.micro_batches = 2
+  c.plan.topology, c.plan.num_slices, c.plan.sampler_batch = "local", 2, 8

@@ -220,7 +220,8 @@ class ParameterServer:
 
     Nothing blocks between buckets, so transfers overlap with whatever the caller runs in between
     (decode chunks); the end of the generator waits for all transfers, then sets `last_stats`.
-    Bad input (stale version, mismatching tree) raises here, not at the first `next`.
+    Bad input (stale version, mismatching tree) raises here, not at the first `next`. An abandoned
+    iterator publishes nothing. Sampler memory peaks at two versions (published + staging).
     """
     if version <= self._version:
       raise ValueError(f"push version {version} is not newer than the current version {self._version}")

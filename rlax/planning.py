@@ -87,6 +87,9 @@ def plan_devices(p) -> list:
   """Abstract TPU devices of `p.topology` x `p.num_slices`, or the local backend's for "local"."""
   if p.topology == "local":
     return list(jax.devices())
+  import os
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # compile-only libtpu: no workers to find
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other JAX processes may hold libtpu's lock
   from jax.experimental import topologies
   try:
     desc = topologies.get_topology_desc(p.topology, platform="tpu", num_slices=p.num_slices)
@@ -185,7 +188,8 @@ def _lower_decode(eng, mesh, params, prefill, compiled_prefill, strategy):
     return eng._chunk.lower(params, state, jnp.int32(0), jnp.int32(eng.max_new_tokens), strategy=strategy)
 
 
-def _analyze(name: str, mesh_desc: str, lowered, t0: float) -> tuple[Program, Any]:
+def _analyze(name: str, mesh_desc: str, lowered, t0: float, chip: Chip) -> tuple[Program, Any]:
+  """Compiles `lowered` and reads its per-chip figures; raises PlanError at once when it does not fit."""
   compiled = lowered.compile()
   dt = time.perf_counter() - t0
   m = compiled.memory_analysis()
@@ -194,6 +198,7 @@ def _analyze(name: str, mesh_desc: str, lowered, t0: float) -> tuple[Program, An
   prog = Program(name, mesh_desc, int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
                  int(m.alias_size_in_bytes), int(m.temp_size_in_bytes), float(cost.get("flops", 0.0)),
                  float(cost.get("bytes accessed", 0.0)), dt)
+  check_fit([prog], chip)
   return prog, compiled
 
 
@@ -246,14 +251,14 @@ def make_plan(c) -> dict[str, Any]:
   topo = build_topology(c.topology, devices=devices)
   progs: list[Program] = []
   t0 = time.perf_counter()
-  prog, _ = _analyze("trainer_step", _mesh_desc(topo.trainer_mesh), trainer_program(c, topo, cfg), t0)
+  prog, _ = _analyze("trainer_step", _mesh_desc(topo.trainer_mesh), trainer_program(c, topo, cfg), t0, chip)
   progs.append(prog)
   t0 = time.perf_counter()
   sp = sampler_programs(c, topo, cfg)
-  prog, compiled_prefill = _analyze("sampler_prefill", _mesh_desc(topo.sampler_mesh), sp["sampler_prefill"], t0)
+  prog, compiled_prefill = _analyze("sampler_prefill", _mesh_desc(topo.sampler_mesh), sp["sampler_prefill"], t0, chip)
   progs.append(prog)
   t0 = time.perf_counter()
-  prog, _ = _analyze("sampler_decode", _mesh_desc(topo.sampler_mesh), sp["sampler_decode"](compiled_prefill), t0)
+  prog, _ = _analyze("sampler_decode", _mesh_desc(topo.sampler_mesh), sp["sampler_decode"](compiled_prefill), t0, chip)
   progs.append(prog)
   push = None
   if not topo.colocated:
@@ -262,7 +267,7 @@ def make_plan(c) -> dict[str, Any]:
     for name, lowered in push.lowered(abstract_params(cfg, topo.trainer_mesh)).items():
       t0 = time.perf_counter()
       mesh = {"push_cross": push.global_mesh, "push_to_sampler": topo.sampler_mesh}.get(name, push.mirror)
-      progs.append(_analyze(name, _mesh_desc(mesh), lowered, t0)[0])
+      progs.append(_analyze(name, _mesh_desc(mesh), lowered, t0, chip)[0])
   return _table(c, chip, cfg, topo, progs, devices)
 
 
@@ -309,7 +314,6 @@ def _table(c, chip: Chip, cfg: M.ModelConfig, topo: Topology, progs: list[Progra
                      push=push),
       compile_s={q.name: round(q.compile_s, 2) for q in progs},
   )
-  _check_fit(progs, chip)
   return table
 
 
@@ -323,7 +327,7 @@ _KNOBS = {
 }
 
 
-def _check_fit(progs: list[Program], chip: Chip) -> None:
+def check_fit(progs: list[Program], chip: Chip) -> None:
   for q in progs:
     if q.peak_bytes > chip.hbm_bytes:
       over = (q.peak_bytes - chip.hbm_bytes) / GIB

@@ -9,8 +9,9 @@ attends every sample to its own copy of the prompt. This path keeps the math
   samples of a prompt share it: G-fold less attention traffic over the prompt)
   and a *generated* part per row, written in place by `dynamic_update_slice`
   inside the `while_loop` carry;
-- attends over a static window of the generated part (the engine grows it in
-  a few segments), not over all max_new_tokens slots;
+- stores the generated part as a few separate segments (`segments`); the
+  decode loop for segment i reads segments 0..i only, so early tokens do not
+  scan all max_new_tokens slots, and no window is ever sliced (copied);
 - stores keys transposed ([.., Dh, S]) so both attention contractions are
   multiply-and-reduce over a non-minor axis, which XLA:CPU vectorizes along the
   contiguous one (~5x faster here than a batched dot_general of these shapes);
@@ -40,7 +41,8 @@ _NEG = -1e30
 @flax.struct.dataclass
 class LayerCache:
   """Per-layer tuples. pk: [Pb, K, Dh, P], pv: [Pb, K, P, Dh] (per distinct prompt);
-  gk: [B, K, Dh, N], gv: [B, K, N, Dh] (per row); prompt_valid: [Pb, P] (left-padded prompts)."""
+  gk[l][i]: [B, K, Dh, n_i], gv[l][i]: [B, K, n_i, Dh] (per row, segment i of the generated
+  slots, see `segments`); prompt_valid: [Pb, P] (left-padded prompts)."""
   pk: tuple
   pv: tuple
   gk: tuple
@@ -50,6 +52,18 @@ class LayerCache:
   @property
   def samples(self) -> int:
     return self.gk[0].shape[0] // self.pk[0].shape[0]
+
+
+def segments(n_new: int) -> tuple[tuple[int, int], ...]:
+  """(start, end) of the generated-slot segments: up to 4, boundaries at multiples of 8."""
+  if n_new <= 32:
+    return ((0, n_new),)
+  ends = sorted({min(n_new, -(-(n_new * i // 4) // 8) * 8) for i in range(1, 5)})
+  return tuple(zip([0] + ends[:-1], ends))
+
+
+def _split(x, axis, n_new):
+  return tuple(jax.lax.slice_in_dim(x, a, b, axis=axis) for a, b in segments(n_new))
 
 
 def from_model_cache(cache: M.KVCache, n_prompt_slots: int, samples: int, n_new: int,
@@ -66,19 +80,22 @@ def from_model_cache(cache: M.KVCache, n_prompt_slots: int, samples: int, n_new:
   pv = tuple(cache.v[l, prompt_rows, :P].transpose(0, 2, 1, 3) for l in range(L))
   if S > P:
     pad = ((0, 0), (0, 0), (0, n_new - (S - P)), (0, 0))
-    gk = tuple(jnp.pad(cache.k[l, :, P:].transpose(0, 2, 1, 3), pad).transpose(0, 1, 3, 2) for l in range(L))
-    gv = tuple(jnp.pad(cache.v[l, :, P:].transpose(0, 2, 1, 3), pad) for l in range(L))
+    gk = tuple(_split(jnp.pad(cache.k[l, :, P:].transpose(0, 2, 1, 3), pad).transpose(0, 1, 3, 2), 3, n_new)
+               for l in range(L))
+    gv = tuple(_split(jnp.pad(cache.v[l, :, P:].transpose(0, 2, 1, 3), pad), 2, n_new) for l in range(L))
   else:
     B = R * samples
-    gk = tuple(jnp.zeros((B, K, Dh, n_new), cache.k.dtype) for _ in range(L))
-    gv = tuple(jnp.zeros((B, K, n_new, Dh), cache.v.dtype) for _ in range(L))
+    gk = tuple(tuple(jnp.zeros((B, K, Dh, b - a), cache.k.dtype) for a, b in segments(n_new))
+               for _ in range(L))
+    gv = tuple(tuple(jnp.zeros((B, K, b - a, Dh), cache.v.dtype) for a, b in segments(n_new))
+               for _ in range(L))
   return LayerCache(pk=pk, pv=pv, gk=gk, gv=gv, prompt_valid=cache.valid[prompt_rows, :P])
 
 
 def constrain_cache(cache: LayerCache) -> LayerCache:
   """Shards the cache along batch (and KV heads on the tensor axis) under the ambient mesh."""
   ax = ("batch", "act_kv_heads", None, None)
-  c = lambda xs: tuple(M.constrain(x, ax) for x in xs)
+  c = lambda xs: jax.tree.map(lambda x: M.constrain(x, ax), xs)
   return LayerCache(pk=c(cache.pk), pv=c(cache.pv), gk=c(cache.gk), gv=c(cache.gv),
                     prompt_valid=M.constrain(cache.prompt_valid, ("batch", None)))
 
@@ -110,11 +127,12 @@ def fuse_params(params: M.Params, cfg: M.ModelConfig) -> dict[str, Any]:
           "lm_head": M.lm_head(params, cfg)}
 
 
-def _attend(q, k, v, pk, pv, gk, gv, prompt_valid, gslot, window: int):
-  """q [B, K, Gh, Dh] over the shared prompt, generated slots [0, window) < gslot, and itself (k, v).
+def _attend(q, k, v, pk, pv, gks, gvs, prompt_valid, used):
+  """q [B, K, Gh, Dh] over the shared prompt, the generated segments gks/gvs, and itself (k, v).
 
-  The current token's own key/value enter directly rather than through the
-  cache, so reading the window does not wait on (and copy) this step's write.
+  All segments but the last are full; in the last only the first `used` slots
+  are. The current token's own key/value enter directly rather than through
+  the cache, so attention does not wait on this step's cache write.
   """
   B, K, Gh, Dh = q.shape
   Pb = pk.shape[0]
@@ -123,24 +141,29 @@ def _attend(q, k, v, pk, pv, gk, gv, prompt_valid, gslot, window: int):
   qf = q.astype(f32) / math.sqrt(Dh)
   qp = qf.reshape(Pb, G, K, Gh, Dh)
   sp = jnp.sum(qp[..., None] * pk.astype(f32)[:, None, :, None], axis=4)  # [Pb, G, K, Gh, P]
-  sp = jnp.where(prompt_valid[:, None, None, None, :], sp, _NEG).reshape(B, K, Gh, -1)
-  gkw = jax.lax.slice_in_dim(gk, 0, window, axis=3).astype(f32)
-  sg = jnp.sum(qf[..., None] * gkw[:, :, None], axis=3)  # [B, K, Gh, W]
-  sg = jnp.where(jnp.arange(window) < gslot, sg, _NEG)
-  ss = jnp.sum(qf * k.astype(f32)[:, :, None, :], axis=-1, keepdims=True)  # [B, K, Gh, 1]
-  P, W = sp.shape[-1], window
-  p = jax.nn.softmax(jnp.concatenate([sp, sg, ss], axis=-1), axis=-1).astype(gv.dtype)
+  scores = [jnp.where(prompt_valid[:, None, None, None, :], sp, _NEG).reshape(B, K, Gh, -1)]
+  for i, gk in enumerate(gks):
+    sg = jnp.sum(qf[..., None] * gk.astype(f32)[:, :, None], axis=3)  # [B, K, Gh, n_i]
+    if i == len(gks) - 1:
+      sg = jnp.where(jnp.arange(gk.shape[-1]) < used, sg, _NEG)
+    scores.append(sg)
+  scores.append(jnp.sum(qf * k.astype(f32)[:, :, None, :], axis=-1, keepdims=True))  # self
+  p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(v.dtype)
+  P = sp.shape[-1]
   pp = p[..., :P].reshape(Pb, G, K, Gh, P)
-  op = jnp.sum(pp[..., None] * pv[:, None, :, None], axis=4).reshape(B, K, Gh, Dh)
-  gvw = jax.lax.slice_in_dim(gv, 0, window, axis=2)
-  og = jnp.sum(p[..., P:P + W, None] * gvw[:, :, None], axis=3)
-  return op + og + p[..., P + W:] * v[:, :, None, :]
+  out = jnp.sum(pp[..., None] * pv[:, None, :, None], axis=4).reshape(B, K, Gh, Dh)
+  off = P
+  for gv in gvs:
+    n = gv.shape[2]
+    out = out + jnp.sum(p[..., off:off + n, None] * gv[:, :, None], axis=3)
+    off += n
+  return out + p[..., off:] * v[:, :, None, :]
 
 
 def decode_step(fused: dict, cfg: M.ModelConfig, cache: LayerCache, tok: Int[Array, "B"],
-                pos: Int[Array, "B"], gslot: Int[Array, ""], window: int
+                pos: Int[Array, "B"], gslot: Int[Array, ""], seg: int
                 ) -> tuple[Float[Array, "B V"], LayerCache]:
-  """Feeds one token per row, written at generated slot `gslot` (< window) with RoPE position `pos`.
+  """Feeds one token per row, written at generated slot `gslot` (inside segment `seg`), RoPE position `pos`.
 
   Returns f32 logits [B, V] for the next token and the updated cache.
   """
@@ -148,10 +171,12 @@ def decode_step(fused: dict, cfg: M.ModelConfig, cache: LayerCache, tok: Int[Arr
   H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
   dt = cfg.jnp_dtype
   inv_freq = rope_inv_freq(cfg)
+  start = segments(sum(g.shape[-1] for g in cache.gk[0]))[seg][0]
   x = jnp.take(fused["embed"], tok, axis=0).astype(dt)  # [B, D]
   posb = pos[:, None]
-  gks, gvs = list(cache.gk), list(cache.gv)
+  gks, gvs = [list(g) for g in cache.gk], [list(g) for g in cache.gv]
   z = jnp.zeros((), jnp.int32)
+  local = gslot - start
   for l, w in enumerate(fused["layers"]):
     h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
     qkv = h @ w["qkv"]
@@ -165,10 +190,10 @@ def decode_step(fused: dict, cfg: M.ModelConfig, cache: LayerCache, tok: Int[Arr
       k = rms_norm(k, w["k_norm"], cfg.norm_eps)
     q = apply_rope(q, posb, inv_freq).reshape(B, K, H // K, Dh)
     k = apply_rope(k, posb, inv_freq).reshape(B, K, Dh)
-    v = v.reshape(B, K, Dh)
-    a = _attend(q, k, v, cache.pk[l], cache.pv[l], gks[l], gvs[l], cache.prompt_valid, gslot, window)
-    gks[l] = jax.lax.dynamic_update_slice(gks[l], k[..., None].astype(gks[l].dtype), (z, z, z, gslot))
-    gvs[l] = jax.lax.dynamic_update_slice(gvs[l], v[:, :, None].astype(gvs[l].dtype), (z, z, gslot, z))
+    a = _attend(q, k, v, cache.pk[l], cache.pv[l], gks[l][:seg + 1], gvs[l][:seg + 1], cache.prompt_valid,
+                local)
+    gks[l][seg] = jax.lax.dynamic_update_slice(gks[l][seg], k[..., None].astype(dt), (z, z, z, local))
+    gvs[l][seg] = jax.lax.dynamic_update_slice(gvs[l][seg], v[:, :, None].astype(dt), (z, z, local, z))
     x = x + a.astype(dt).reshape(B, H * Dh) @ w["o"]
     h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
     gu = h @ w["gate_up"]
@@ -176,4 +201,4 @@ def decode_step(fused: dict, cfg: M.ModelConfig, cache: LayerCache, tok: Int[Arr
     x = x + (jax.nn.silu(gu[:, :F]) * gu[:, F:]) @ w["down"]
   x = rms_norm(x, fused["final_norm"], cfg.norm_eps)
   logits = jnp.dot(x, fused["lm_head"], preferred_element_type=jnp.float32)
-  return logits, cache.replace(gk=tuple(gks), gv=tuple(gvs))
+  return logits, cache.replace(gk=tuple(map(tuple, gks)), gv=tuple(map(tuple, gvs)))

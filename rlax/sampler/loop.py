@@ -104,28 +104,22 @@ def prefill(params, cfg: M.ModelConfig, prompt, prompt_mask, keys, version, row_
   return _record(st, tok, lp, version, eos_ids, stops, n_new, pad_id)
 
 
-def windows(n_new: int) -> tuple[int, ...]:
-  """Static attention windows over the generated slots: up to 4 segments, multiples of 8."""
-  if n_new <= 32:
-    return (n_new,)
-  return tuple(sorted({min(n_new, -(-(n_new * i // 4) // 8) * 8) for i in range(1, 5)}))
-
-
 def decode_chunk(params, cfg: M.ModelConfig, st: DecodeState, version, t_end, *, n_new: int,
                  strategy: SamplingMethod, eos_ids, stops, pad_id: int) -> DecodeState:
   """Decodes tokens st.t .. t_end-1, exiting early once every row is done.
 
-  One `while_loop` per attention window (see `windows`): token t attends to
-  generated slots < t, so the loop for window W runs while t <= W.
+  One `while_loop` per cache segment (see `decode.segments`): token t is drawn
+  after feeding token t-1 into generated slot t-1, so the loop for segment
+  [a, b) runs while a < t <= b.
   """
   fused = decode.fuse_params(params, cfg)
-  for w in windows(n_new):
+  for i, (_, end) in enumerate(decode.segments(n_new)):
 
-    def cond(st, w=w):
-      return (st.t < t_end) & (st.t <= w) & ~jnp.all(st.done)
+    def cond(st, end=end):
+      return (st.t < t_end) & (st.t <= end) & ~jnp.all(st.done)
 
-    def body(st, w=w):
-      logits, cache = decode.decode_step(fused, cfg, st.cache, st.last, st.n_prompt + st.t - 1, st.t - 1, w)
+    def body(st, i=i):
+      logits, cache = decode.decode_step(fused, cfg, st.cache, st.last, st.n_prompt + st.t - 1, st.t - 1, i)
       tok, lp = strategy.sample(logits, _uniform(st.row_keys, st.t))
       return _record(st.replace(cache=cache), tok, lp, version, eos_ids, stops, n_new, pad_id)
 

@@ -1,0 +1,129 @@
+"""AOT plan: the real programs compile for a small two-slice topology and their numbers add up."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from configs import paper_qwq32b
+from rlax import models as M
+from rlax import planning
+from rlax.multihost import transport_spec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAMES = ["trainer_step", "sampler_prefill", "sampler_decode", "push_to_transport", "push_cross",
+         "push_to_sampler"]
+
+
+def tiny_config(topology="local"):
+  """The paper config shrunk (same code path): a 2-layer model on 2 slices of 4 devices."""
+  c = paper_qwq32b.get_config("tiny")
+  if topology != "local":
+    c.topology.slice_size = None  # TPU devices carry their slice_index
+    c.plan.topology = topology
+  return c
+
+
+def _shard_bytes(shape, dtype, sharding):
+  return int(np.prod(sharding.shard_shape(tuple(shape)))) * jnp.dtype(dtype).itemsize
+
+
+@pytest.fixture(scope="module")
+def local_plan():
+  c = tiny_config()
+  return c, planning.make_plan(c)
+
+
+def test_local_plan_compiles_every_program(local_plan):
+  _, t = local_plan
+  progs = {p["name"]: p for p in t["programs"]}
+  assert list(progs) == NAMES
+  for p in progs.values():
+    assert p["argument_bytes"] > 0 and p["output_bytes"] > 0 and p["peak_bytes"] > 0, p
+    assert p["compile_s"] > 0
+  assert progs["trainer_step"]["flops"] > 0 and progs["sampler_decode"]["flops"] > 0
+  assert t["estimates"]["train_step_s"] > 0 and t["estimates"]["sampler_tokens_per_s"] > 0
+
+
+def test_trainer_memory_matches_parameter_count(local_plan):
+  """Trainer args per chip = (params + 2 AdamW moments) shards + batch shards, from the shardings alone."""
+  c, t = local_plan
+  cfg = M.preset("w1", **c.model.overrides.to_dict())
+  topo = planning.build_topology(c.topology)
+  mesh = topo.trainer_mesh
+  shapes = jax.eval_shape(lambda: M.init_params(cfg, jax.random.key(0)))
+  shard = M.param_shardings(cfg, mesh)
+  params = sum(_shard_bytes(s.shape, s.dtype, sh) for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shard)))
+  rows, seq = 16, 32
+  row_sh = NamedSharding(mesh, P(("data", "fsdp")))
+  batch = (_shard_bytes((rows, seq), jnp.int32, row_sh) + _shard_bytes((rows, seq), jnp.bool_, row_sh)
+           + 2 * _shard_bytes((rows, seq - 1), jnp.float32, row_sh) + 3 * _shard_bytes((rows,), jnp.int32, row_sh))
+  want = 3 * params + batch
+  got = {p["name"]: p for p in t["programs"]}["trainer_step"]["argument_bytes"]
+  # Optimizer counters and the step are a few scalars on top.
+  assert want <= got <= want + 64, (got, want)
+  # The donated state comes back in place: outputs alias the params + moments.
+  assert {p["name"]: p for p in t["programs"]}["trainer_step"]["alias_bytes"] >= 3 * params
+  assert t["config"]["params"] == cfg.num_params()
+
+
+def test_push_programs_move_each_byte_once(local_plan):
+  """The cross-role program's per-chip input is the transport piece: total parameter bytes / 4 devices."""
+  _, t = local_plan
+  progs = {p["name"]: p for p in t["programs"]}
+  push = t["estimates"]["push"]
+  total = push["total_bytes"]
+  assert total == t["config"]["params"] * 4  # float32 tiny model
+  assert push["per_chip_transport_bytes"] == total // 4
+  assert progs["push_cross"]["argument_bytes"] == total // 4
+  assert push["link"] == "ici"  # simulated slices on one CPU backend have no slice_index: same "slice"
+  assert push["seconds"] == pytest.approx(push["transport_s"] + push["cross_s"] + push["gather_s"])
+
+
+def test_transport_spec_hand_cases():
+  assert transport_spec((8, 6), {"data": 2, "fsdp": 1, "tensor": 2}) == P(("data", "tensor"), None)
+  assert transport_spec((6, 3), {"data": 2, "fsdp": 1, "tensor": 2}) == P(("tensor",), None)
+  assert transport_spec((3,), {"data": 2, "fsdp": 1, "tensor": 2}) == P()
+
+
+def test_oversized_config_fails_with_one_line():
+  c = tiny_config()
+  c.plan.hbm_gib = 1e-4  # ~105 KB per chip: the trainer step cannot fit
+  with pytest.raises(planning.PlanError) as e:
+    planning.make_plan(c)
+  msg = str(e.value)
+  assert "\n" not in msg
+  assert msg.startswith("trainer_step does not fit: needs ")
+  assert "over by" in msg and ("micro_batches" in msg or "fsdp" in msg)
+
+
+def test_plan_cli_oversized_prints_one_line():
+  cmd = [sys.executable, "-m", "launch.plan", f"--config={ROOT}/configs/paper_qwq32b.py:tiny",
+         "--config.plan.hbm_gib=0.0001"]
+  r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 3, r.stderr[-2000:]
+  last = r.stderr.strip().splitlines()[-1]
+  assert last.startswith("rlax: plan: trainer_step does not fit"), last
+
+
+def test_tpu_topology_plan_or_clear_error():
+  """With libtpu: the same plan compiles for v5p:2x2x1 x 2 slices. Without: one clear error line."""
+  c = tiny_config("v5p:2x2x1")
+  if importlib.util.find_spec("libtpu") is None:
+    with pytest.raises(ValueError, match="install the `tpu` extra"):
+      planning.make_plan(c)
+    return
+  t = planning.make_plan(c)
+  progs = {p["name"]: p for p in t["programs"]}
+  assert list(progs) == NAMES
+  assert t["config"]["devices"] == 8
+  assert t["estimates"]["push"]["link"] == "dcn"  # trainer and sampler on different TPU slices
+  assert progs["push_cross"]["argument_bytes"] == t["estimates"]["push"]["per_chip_transport_bytes"]
+  assert progs["trainer_step"]["argument_bytes"] > 3 * t["config"]["params"] * 4 // 4
