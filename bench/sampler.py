@@ -28,13 +28,15 @@ flags.DEFINE_integer("samples", 8, "samples per prompt")
 flags.DEFINE_integer("new_tokens", 64, "tokens generated per sequence (EOS disabled)")
 flags.DEFINE_integer("reps", 5, "timed repetitions after one warm-up")
 flags.DEFINE_boolean("baseline", True, "also time transformers generate()")
+flags.DEFINE_integer("devices", 1, "CPU devices for a data-parallel sampler mesh (XLA:CPU runs a small "
+                     "matmul on one core; N devices run N row shards concurrently)")
 FLAGS = flags.FLAGS
 
 
 def to_hf_state_dict(params, cfg):
   """rlax params → LlamaForCausalLM state_dict (torch tensors, [out, in] linear weights)."""
   import torch
-  t = lambda x: torch.from_numpy(np.ascontiguousarray(np.asarray(x, np.float32)))
+  t = lambda x: torch.from_numpy(np.array(x, np.float32))  # a writable host copy
   D, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
   lay = params["layers"]
   sd = {"model.embed_tokens.weight": t(params["embed"]), "model.norm.weight": t(params["final_norm"]),
@@ -79,18 +81,22 @@ def median_time(fn, reps):
 
 def main(_):
   import jax
+  if FLAGS.devices > 1:
+    jax.config.update("jax_num_cpu_devices", FLAGS.devices)  # before the first JAX operation
   from rlax import models as M
   from rlax import sampler as S
 
   cfg = M.ModelConfig(vocab_size=FLAGS.vocab, d_model=FLAGS.d_model, n_layers=FLAGS.layers,
                       n_heads=FLAGS.heads, n_kv_heads=FLAGS.kv_heads, head_dim=FLAGS.head_dim,
                       mlp_dim=FLAGS.mlp)
-  params = M.create_params(cfg, seed=0)
+  mesh = (M.make_mesh(jax.devices()[:FLAGS.devices], data=FLAGS.devices, fsdp=1, tensor=1)
+          if FLAGS.devices > 1 else None)
+  params = M.create_params(cfg, mesh=mesh, seed=0)
   rng = np.random.default_rng(0)
   prompts = [[1] + rng.integers(3, FLAGS.vocab, FLAGS.prompt_len - 1).tolist() for _ in range(FLAGS.prompts)]
   rows, n_new = FLAGS.prompts * FLAGS.samples, FLAGS.new_tokens
   n_tok = rows * n_new
-  sampler = S.Sampler(cfg, max_prompt_len=FLAGS.prompt_len, max_new_tokens=n_new, batch_size=rows,
+  sampler = S.Sampler(cfg, mesh, max_prompt_len=FLAGS.prompt_len, max_new_tokens=n_new, batch_size=rows,
                       batch_buckets=[rows], prompt_buckets=[FLAGS.prompt_len], params=params)
   state = {"seed": 0}
 
@@ -103,7 +109,7 @@ def main(_):
 
   total, tm = median_time(run_rlax, FLAGS.reps)
   result = dict(tokens_per_s=n_tok / total, total_s=total, prefill_s=tm["prefill_s"], decode_s=tm["decode_s"],
-                rows=rows, new_tokens=n_new, compiles=dict(sampler.trace_counts), jax=jax.__version__)
+                rows=rows, new_tokens=n_new, devices=FLAGS.devices, compiles=dict(sampler.trace_counts), jax=jax.__version__)
   print(f"rlax: {total:.3f} s ({result['tokens_per_s']:,.0f} tok/s), prefill {tm['prefill_s'] * 1e3:.1f} ms, "
         f"decode {tm['decode_s'] * 1e3:.1f} ms ({tm['decode_s'] / max(n_new - 1, 1) * 1e3:.2f} ms/token)")
   if FLAGS.baseline:

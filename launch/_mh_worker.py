@@ -5,7 +5,8 @@
 --mode=push: process 0 creates a tiny model's parameters on the trainer mesh and pushes them once;
   process 1 saves what it received (bf16 as uint16 bits) to --out.
 --mode=steps: --steps trainer updates, each followed by a push; process 0 checkpoints (step, params) to
-  --workdir after every step and a restarted job resumes from it. Process 1 checks each pushed version.
+  --workdir after every step and a restarted job resumes from it. Process 1 checks each pushed version
+  and saves the last one to --out when given.
 """
 
 import json
@@ -33,6 +34,12 @@ def topology_config(cpu_devices: int) -> dict:
   """One simulated slice per process: slice 0 (process 0) trains, slice 1 (process 1) samples."""
   return dict(slice_size=cpu_devices, trainer_slices=1, sampler_slices=1, trainer_mesh=dict(fsdp=-1),
               sampler_mesh=dict(data=2, tensor=-1))
+
+
+def stand_in_update(params):
+  """The job's stand-in optimizer step, w -> w / 2 + 1 (exact to check: w_s = (w_0 - 2) / 2^s + 2)."""
+  import jax
+  return jax.tree.map(lambda x: x * 0.5 + 1.0, params)
 
 
 def _save_bits(path, tree):
@@ -77,7 +84,7 @@ def main(argv):
       saved = np.load(ckpt)
       names = jax.tree_util.tree_map_with_path(lambda k, _: jax.tree_util.keystr(k), params)
       params = jax.tree.map(lambda x, n: jax.device_put(saved[n], x.sharding), params, names)
-  update = jax.jit(lambda p: jax.tree.map(lambda x: x * 0.5 + 1.0, p))  # a stand-in optimizer step
+  update = jax.jit(stand_in_update)
   for step in range(start, STEPS.value):
     if pid == 0:
       params = update(params)
@@ -95,6 +102,8 @@ def main(argv):
     with open(os.path.join(WORKDIR.value, f"progress_{pid}.txt"), "w") as f:
       f.write(str(step + 1))
     time.sleep(STEP_S.value)
+  if pid == 1 and OUT.value:
+    _save_bits(OUT.value, out)
   print(json.dumps({"process": pid, "done": STEPS.value}), flush=True)
 
 

@@ -28,6 +28,9 @@ def main(argv):
   jax.config.update("jax_num_cpu_devices", CPU_DEVICES.value)
   from rlax.controller import Controller
   logging.set_verbosity(logging.INFO)
+  # orbax logs every file operation at INFO; keep its warnings only.
+  logging.get_absl_handler().addFilter(
+      lambda r: r.levelno >= logging.converter.STANDARD_WARNING or "orbax" not in r.pathname)
   try:
     controller = Controller(CONFIG.value, progress=PROGRESS.value)
   except ValueError as e:

@@ -20,7 +20,7 @@ from launch._supervisor import Supervisor
 NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes in the job.")
 MAX_RESTARTS = flags.DEFINE_integer("max_restarts", 3, "Whole-job restarts before giving up.")
 PID_FILE = flags.DEFINE_string("pid_file", "", "Write the live processes' pids here (one JSON line).")
-LOG_DIR = flags.DEFINE_string("process_logs", "", "Per-process logs (process_<i>.log in this folder); empty: inherit stdout.")
+LOG_DIR = flags.DEFINE_string("process_logs", "", "Folder for process_<i>.log; empty: inherit stdout.")
 
 
 def main(argv):

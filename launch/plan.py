@@ -16,7 +16,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's SPMD warnings drown the table
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from launch.flags_util import define_config, parse_or_exit
 
@@ -31,6 +31,7 @@ def main(argv):
   jax.config.update("jax_platforms", "cpu")  # eager helpers run on CPU; TPU programs are compile-only
   from launch._plan_table import format_table
   from rlax import planning
+  logging.set_verbosity(logging.INFO)
   c = CONFIG.value
   if c is None or "plan" not in c:
     print("rlax: plan: the config has no `plan` section (see configs/paper_qwq32b.py)", file=sys.stderr)

@@ -44,9 +44,9 @@ def _shape_records(records: list[Record], d) -> list[Record]:
       raise ValueError(f"data.ops={d.ops!r} applies to task 'arithmetic' only, not {d.task!r}")
     records = [r for r in records if all(ch in d.ops for ch in r.metadata["expression"] if ch in "+-*/")]
   if d.prompt_style == "compact":
-    if d.task != "arithmetic":
-      raise ValueError(f"data.prompt_style='compact' applies to task 'arithmetic' only, not {d.task!r}")
-    records = [dataclasses.replace(r, prompt=r.metadata["expression"].replace(" ", "") + "=") for r in records]
+    if any("compact" not in r.metadata for r in records[:1]):
+      raise ValueError(f"data.prompt_style='compact': task {d.task!r} has no compact prompt form")
+    records = [dataclasses.replace(r, prompt=r.metadata["compact"]) for r in records]
   elif d.prompt_style != "instruct":
     raise ValueError(f"data.prompt_style={d.prompt_style!r}; expected 'instruct' or 'compact'")
   return records
@@ -85,6 +85,9 @@ def validate(c) -> None:
                      "the sampler would wait forever for fresh enough weights")
   if c.deterministic and ctl.push_every != 1:
     raise ValueError("deterministic=True needs controller.push_every=1 (a fixed staleness schedule)")
+  if c.deterministic and ctl.queue_size < ctl.max_staleness:
+    raise ValueError(f"deterministic=True needs controller.queue_size >= max_staleness={ctl.max_staleness} "
+                     "(checkpoints carry the rollouts generated ahead of the trainer)")
   if c.deterministic and r.inflight_updates:
     raise ValueError("deterministic=True is incompatible with rollout.inflight_updates=True")
   if r.inflight_updates and not r.decode_chunk:

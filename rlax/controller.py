@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import signal
 import threading
 import time
 from typing import Any, Optional
@@ -28,6 +29,7 @@ from rlax import builders
 from rlax import evaluation
 from rlax import models as M
 from rlax import rollout as rollout_lib
+from rlax.checkpoint import Checkpointer, IncompatibleCheckpointError, abstract_like, to_json
 from rlax.data import tokenizer as tok_lib
 from rlax.data.pipeline import RecordIterator
 from rlax.metrics import MetricsWriter
@@ -68,7 +70,7 @@ class _Versions:
 class Controller:
   """Builds every part from `config` and runs RL: `Controller(config).run()` → summary dict."""
 
-  def __init__(self, config, *, progress: bool = True):
+  def __init__(self, config, *, progress: bool = True, callbacks=()):
     builders.validate(config)
     self.c = config
     self.workdir = config.workdir
@@ -104,21 +106,71 @@ class Controller:
     self._sampler_error: Optional[BaseException] = None
     self._started = -1
     self._started_cv = threading.Condition()
+    self._stop = threading.Event()
+    self.callbacks = list(callbacks)  # cb(controller, step, metrics_row) after every step
+    self._grace_timer: Optional[threading.Timer] = None
+    self._data_after: dict[int, dict] = {}
+    ck = config.checkpoint
+    self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=ck.keep,
+                             every_steps=ck.every_steps or None, every_seconds=ck.every_seconds or None)
 
-  # -- parameters ------------------------------------------------------------------------------------------
-  def init_state(self):
-    c = self.c
-    params = M.create_params(self.model_cfg, self.topo.trainer_mesh, seed=c.seed)
-    if c.init.sft_steps:
-      sft = Trainer(self.model_cfg, self.algo, OptimizerConfig(lr=c.init.sft_lr, warmup_steps=10),
-                    self.topo.trainer_mesh, group_size=1)
-      state = rollout_lib.sft_warm_start(
-          sft, sft.init_state(params), self.tokenizer, self.train_records, steps=c.init.sft_steps,
-          batch=c.init.sft_batch, style=c.data.prompt_style, prompt_len=c.rollout.max_prompt_len,
-          response_len=c.rollout.max_new_tokens)
-      params = state.params
-    # RL starts from fresh optimizer moments and step 0 on the (warm-started) weights.
+  # -- parameters and checkpoints ---------------------------------------------------------------------------
+  def _fresh_state(self):
+    params = M.create_params(self.model_cfg, self.topo.trainer_mesh, seed=self.c.seed)
     return self.trainer.init_state(params)
+
+  def _warm_start(self, state):
+    c = self.c
+    if not c.init.sft_steps:
+      return state
+    sft = Trainer(self.model_cfg, self.algo, OptimizerConfig(lr=c.init.sft_lr, warmup_steps=10),
+                  self.topo.trainer_mesh, group_size=1)
+    state = rollout_lib.sft_warm_start(
+        sft, sft.init_state(state.params), self.tokenizer, self.train_records, steps=c.init.sft_steps,
+        batch=c.init.sft_batch, style=c.data.prompt_style, prompt_len=self.sampler.max_prompt_len,
+        response_len=c.rollout.max_new_tokens)
+    # RL starts from fresh optimizer moments and step 0 on the warm-started weights.
+    return self.trainer.init_state(state.params)
+
+  def _n_pending(self) -> int:
+    """Rollouts generated ahead of the trainer that a checkpoint must carry (deterministic mode only)."""
+    return self.c.controller.max_staleness if self.c.deterministic else 0
+
+  def _template(self):
+    return rollout_lib.empty_batch(self.P * self.G, self.sampler.max_prompt_len, self.c.rollout.max_new_tokens)
+
+  def _ckpt_tree(self, state, pending):
+    """What a checkpoint holds; `pending` is padded to a fixed count so every checkpoint has one shape."""
+    pending = list(pending) + [self._template()] * (self._n_pending() - len(pending))
+    return {"train": state, "pending": pending}
+
+  def _restore(self, fresh_state):
+    """(step, state, meta, pending rollouts) from the newest readable checkpoint, or None."""
+    target = abstract_like(self._ckpt_tree(fresh_state, [self._template()] * self._n_pending()))
+    got = self.ckpt.restore_latest(target)
+    if got is None:
+      return None
+    step, tree, meta = got
+    if meta.get("model") != to_json(self.model_cfg):
+      raise IncompatibleCheckpointError(f"checkpoint step {step} was written for model {meta.get('model')}, "
+                                        f"this run's model is {to_json(self.model_cfg)}")
+    pending = [Rollout(r["index"], r["version"], b, r["stats"]) for r, b in zip(meta["pending"], tree["pending"])]
+    return step, tree["train"], meta, pending
+
+  def _save(self, step: int, state, before: dict, *, force: bool) -> bool:
+    if not (force or self.ckpt.should_save(step)):
+      return False
+    n = min(self._n_pending(), self.c.controller.steps - step)  # no batches exist past the last step
+    pending = self.queue.peek(n) if n else []
+    last_batch = step - 1 + len(pending)  # the newest batch whose records are accounted for
+    meta = {"step": step, "version": self.ps.version, "seed": self.c.seed, "data": self._data_after[last_batch],
+            "pending": [{"index": r.index, "version": r.version, "stats": r.stats} for r in pending],
+            "history": self.metrics.history, "eval_before": before, "config": self.c,
+            "model": to_json(self.model_cfg)}
+    self.ckpt.save(step, self._ckpt_tree(state, [r.data for r in pending]), meta, force=True)
+    for k in [k for k in self._data_after if k < last_batch]:
+      del self._data_after[k]
+    return True
 
   def push(self, params, version: int) -> dict:
     """Trainer → parameter server (device-to-device); the sampler pulls at its next batch or chunk."""
@@ -148,6 +200,7 @@ class Controller:
           self._started = s
           self._started_cv.notify_all()
         records = self.data.next_batch(self.P)
+        self._data_after[s] = self.data.get_state()
         t0 = time.perf_counter()
         out = self.sampler.generate(rollout_lib.encode_prompts(self.tokenizer, records), samples_per_prompt=self.G,
                                     strategy=self.method, seed=c.seed, step=s,
@@ -157,7 +210,7 @@ class Controller:
         texts = rollout_lib.completions(self.tokenizer, out)
         graded = self.pool.grade(self.reward_fn, texts, [r for r in records for _ in range(self.G)])
         rewards_np = np.array([g[0] for g in graded], np.float32)
-        batch = rollout_lib.pack(out, rewards_np)
+        batch = rollout_lib.pack(out, rewards_np, self.sampler.max_prompt_len)
         t_rew = time.perf_counter() - t0
         lens = np.asarray(out.lengths)
         stats = dict(reward=float(rewards_np.mean()), pass_rate=float((rewards_np > 0.5).mean()),
@@ -179,29 +232,64 @@ class Controller:
       self._started_cv.wait_for(lambda: self._started >= min(batch_index, end - 1)
                                 or self._sampler_error is not None)
 
+  # -- preemption ------------------------------------------------------------------------------------------
+  def request_stop(self, *_) -> None:
+    """Preemption notice (SIGTERM): checkpoint at the next safe point and return; force exit after the grace."""
+    if self._stop.is_set():
+      return
+    logging.warning("preemption notice: checkpointing at the next step boundary (grace %.0fs)",
+                    self.c.checkpoint.grace_seconds)
+    self._stop.set()
+
+    def overdue():
+      logging.error("grace period of %.0fs exceeded before the checkpoint finished; exiting",
+                    self.c.checkpoint.grace_seconds)
+      os._exit(0)
+    self._grace_timer = threading.Timer(self.c.checkpoint.grace_seconds, overdue)
+    self._grace_timer.daemon = True
+    self._grace_timer.start()
+
   # -- the loop --------------------------------------------------------------------------------------------
   def evaluate(self, params_version_note: str) -> dict:
     n = self.c.eval.n_samples
     self._pull()
     gen = rollout_lib.text_generate_fn(self.sampler, self.tokenizer, rollout_lib.strategy(self.c.eval.temperature),
                                        seed=self.c.seed + 1, step=0)
-    res = evaluation.evaluate(gen, self.eval_records,
-                              self.reward_fn, n=n, ks=sorted({1, n}), grade_fn=self.pool.grade)
+    res = evaluation.evaluate(gen, self.eval_records, self.reward_fn, n=n, ks=sorted({1, n}),
+                              grade_fn=self.pool.grade)
     logging.info("eval (%s): %s", params_version_note, res)
     return res
 
   def run(self) -> dict:
+    """Trains from the newest checkpoint (or from scratch) to `controller.steps`; returns the summary."""
     t_start = time.perf_counter()
     c = self.c
-    state = self.init_state()
-    self.push(state.params, 0)
-    ref_params = jax.tree.map(lambda x: x.copy(), state.params) if self.algo.kl_coef > 0 else None
-    before = self.evaluate("before")
     steps = c.controller.steps
-    thread = threading.Thread(target=self._sampler_loop, args=(0, steps), daemon=True, name="sampler")
+    if threading.current_thread() is threading.main_thread():
+      signal.signal(signal.SIGTERM, self.request_stop)
+    state = self._fresh_state()
+    restored = self._restore(state)
+    if restored is None:
+      start, pending = 0, []
+      state = self._warm_start(state)
+      self.push(state.params, 0)
+      before = self.evaluate("before")
+    else:
+      start, state, meta, pending = restored
+      self.data.set_state(meta["data"])
+      self.metrics.history[:] = meta["history"]
+      before = meta["eval_before"]
+      self.push(state.params, start)
+      logging.info("resumed from checkpoint step %d (%d pending rollouts)", start, len(pending))
+    for r in pending:
+      self.queue.put(r)
+    ref_params = jax.tree.map(lambda x: x.copy(), state.params) if self.algo.kl_coef > 0 else None
+    thread = threading.Thread(target=self._sampler_loop, args=(start + len(pending), steps), daemon=True,
+                              name="sampler")
     thread.start()
+    s = start
     try:
-      for s in range(steps):
+      while s < steps and not self._stop.is_set():
         t0 = time.perf_counter()
         item, wait = self.queue.get(policy_version=s)
         batch = item.data
@@ -224,20 +312,31 @@ class Controller:
                    staleness=float(s - item.version), dropped=float(self.queue.dropped))
         row["tokens_per_s"] = row.get("response_tokens", 0.0) / max(t3 - t0, 1e-9)
         self.metrics.write(s, row)
+        for cb in self.callbacks:
+          cb(self, s, row)
+        s += 1
+        self._save(s, state, before, force=self._stop.is_set() or s == steps)
     finally:
       self.queue.close()
       self.versions.close()
       thread.join(timeout=60)
+      self.ckpt.wait()
+      if self._grace_timer is not None:
+        self._grace_timer.cancel()
     if self._sampler_error is not None:
       raise self._sampler_error
-    after = self.evaluate("after")
+    self.final_state = state
+    hist = {str(k): v for k, v in sorted(self.queue.staleness_hist.items())}
+    summary = {"steps": s, "preempted": s < steps, "staleness_hist": hist}
+    if s == steps:
+      after = self.evaluate("after")
+      n = c.eval.n_samples
+      summary.update({"pass1_before": before["pass@1"], "pass1_after": after["pass@1"],
+                      f"pass{n}_before": before[f"pass@{n}"], f"pass{n}_after": after[f"pass@{n}"]})
     self.pool.close()
     self.metrics.close()
-    hist = {str(k): v for k, v in sorted(self.queue.staleness_hist.items())}
-    summary = {"pass1_before": before["pass@1"], "pass1_after": after["pass@1"],
-               f"pass{c.eval.n_samples}_before": before[f"pass@{c.eval.n_samples}"],
-               f"pass{c.eval.n_samples}_after": after[f"pass@{c.eval.n_samples}"],
-               "steps": steps, "staleness_hist": hist, "wall_s": time.perf_counter() - t_start}
+    self.ckpt.close()
+    summary["wall_s"] = time.perf_counter() - t_start
     with open(os.path.join(self.workdir, "summary.json"), "w") as f:
       json.dump(summary, f)
     return summary

@@ -182,8 +182,12 @@ class CrossMeshPush:
       result = f["to_dst"](dst_leaves)
     return jax.tree.unflatten(self._treedef, result)
 
-  def lowered(self, shapes: Any) -> dict[str, Any]:
-    """The three parts lowered for abstract `shapes` (a tree of ShapeDtypeStruct): for AOT planning."""
+  def lowered(self, shapes: Any, compile_mesh=None) -> dict[str, Any]:
+    """The three parts lowered for abstract `shapes` (a tree of ShapeDtypeStruct): for AOT planning.
+
+    `compile_mesh(mesh) -> mesh` may move the sampler-only part to an equivalent mesh (same shape and
+    specs) that the compiler accepts; see rlax.planning.on_first_slices.
+    """
     leaves = jax.tree.leaves(shapes)
     shapes_l = [tuple(x.shape) for x in leaves]
     f = self._fns(shapes_l, [x.dtype for x in leaves])
@@ -196,8 +200,11 @@ class CrossMeshPush:
       a = f["to_transport"].lower(sds(src_sh, [x.dtype for x in leaves]))
     with jax.set_mesh(self.global_mesh):
       b = f["cross"].lower(sds(f["glob_sh"], f["out_dt"], (2,)))
-    with jax.set_mesh(self.dst_mesh):
-      c = f["to_dst"].lower(sds(f["dst_t_sh"], f["out_dt"]))
+    dst = compile_mesh(self.dst_mesh) if compile_mesh is not None else self.dst_mesh
+    move = lambda shs: [NamedSharding(dst, s.spec) for s in shs]
+    to_dst = jax.jit(lambda xs: xs, out_shardings=move(self._leaves_sh))
+    with jax.set_mesh(dst):
+      c = to_dst.lower(sds(move(f["dst_t_sh"]), f["out_dt"]))
     return {"push_to_transport": a, "push_cross": b, "push_to_sampler": c}
 
 

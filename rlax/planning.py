@@ -20,11 +20,12 @@ import dataclasses
 import time
 from typing import Any
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rlax import builders
 from rlax import models as M
@@ -33,6 +34,7 @@ from rlax.topology import Topology, build_topology
 from rlax.trainer import RolloutBatch, Trainer, TrainState
 
 GIB = 2 ** 30
+_I32 = jax.ShapeDtypeStruct((), jnp.int32)  # scalar args as abstract values: no eager op on abstract devices
 
 
 class PlanError(ValueError):
@@ -100,6 +102,35 @@ def plan_devices(p) -> list:
   return list(desc.devices)
 
 
+def on_first_slices(mesh: Mesh, devices) -> Mesh:
+  """The same mesh moved onto the lowest-numbered slices, device for device (same position in its slice).
+
+  libtpu's compile-only client rejects a program whose devices all sit on slices other than slice 0
+  ("Slice is empty"); slices are identical, so the moved program has the same per-chip figures.
+  """
+  slice_of = lambda d: getattr(d, "slice_index", None)
+  if any(slice_of(d) is None for d in mesh.devices.flat):
+    return mesh
+  lo = min(slice_of(d) for d in mesh.devices.flat)
+  if lo == 0:
+    return mesh
+  by_slice: dict = {}
+  for d in sorted(devices, key=lambda d: d.id):
+    by_slice.setdefault(slice_of(d), []).append(d)
+  pos = {d.id: (slice_of(d), i) for k, ds in by_slice.items() for i, d in enumerate(ds)}
+  move = lambda d: by_slice[pos[d.id][0] - lo][pos[d.id][1]]
+  return Mesh(np.vectorize(move, otypes=[object])(mesh.devices), mesh.axis_names)
+
+
+def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
+  return int(np.prod(x.sharding.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
+
+
+def _no_fit(name: str, need: float, chip: Chip, what: str, knob: str) -> str:
+  return (f"{name} does not fit: needs {need / GIB:.3g} GiB per chip of {chip.hbm_bytes / GIB:.3g} GiB HBM "
+          f"(over by {(need - chip.hbm_bytes) / GIB:.3g} GiB; {what}); try {knob}")
+
+
 def _sds(shape, dtype, sharding):
   return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
@@ -138,8 +169,11 @@ def abstract_rollout_batch(mesh, rows: int, seq: int, with_ref: bool) -> Rollout
                       ref_logprobs=f((rows, seq - 1), jnp.float32) if with_ref else None)
 
 
-def trainer_program(c, topo: Topology, cfg: M.ModelConfig):
-  """The runtime's `Trainer` RL step lowered for one global batch on the trainer mesh."""
+def trainer_program(c, topo: Topology, cfg: M.ModelConfig, chip: Chip):
+  """The runtime's `Trainer` RL step lowered for one global batch on the trainer mesh.
+
+  Fails fast (before a compile that takes minutes at 32B) when the train state alone exceeds HBM.
+  """
   r = c.rollout
   trainer = Trainer(cfg, builders.algorithm(c), builders.optimizer(c, c.controller.steps), topo.trainer_mesh,
                     group_size=r.samples_per_prompt, micro_batches=c.optimizer.micro_batches,
@@ -150,12 +184,16 @@ def trainer_program(c, topo: Topology, cfg: M.ModelConfig):
   batch = abstract_rollout_batch(topo.trainer_mesh, rows, r.max_prompt_len + r.max_new_tokens,
                                  c.algorithm.kl_coef > 0)
   state = abstract_train_state(trainer)  # outside the mesh context: it runs eager optax init code
+  resident = sum(_shard_bytes(x) for x in jax.tree.leaves(state))
+  if resident > chip.hbm_bytes:
+    raise PlanError(_no_fit("trainer_step", resident, chip, "params + optimizer state alone",
+                            "more FSDP (topology.trainer_mesh.fsdp) or more trainer slices"))
   with jax.set_mesh(topo.trainer_mesh):
     return trainer._rl.lower(state, batch)  # the exact jit the runtime calls
 
 
-def sampler_programs(c, topo: Topology, cfg: M.ModelConfig) -> dict[str, Any]:
-  """Prefill and decode-chunk of the sampler engine, lowered for `c.plan.sampler_batch` rows.
+def sampler_programs(c, topo: Topology, cfg: M.ModelConfig, chip: Chip) -> dict[str, Any]:
+  """Thunks lowering the sampler engine's prefill and decode chunk for `c.plan.sampler_batch` rows.
 
   The adapter between the plan and `rlax.sampler.Sampler`: it builds the engine with one prompt bucket
   (max_prompt_len) and one batch bucket, and lowers the engine's own jitted prefill and decode chunk.
@@ -167,37 +205,41 @@ def sampler_programs(c, topo: Topology, cfg: M.ModelConfig) -> dict[str, Any]:
     raise ValueError(f"plan.sampler_batch={B} is not a multiple of rollout.samples_per_prompt={G}")
   eng = Sampler(cfg, mesh, max_prompt_len=Pl, max_new_tokens=N, batch_buckets=(B,), prompt_buckets=(Pl,),
                 eos_id=0, decode_chunk=r.decode_chunk or None, memory_budget_bytes=1 << 62)
+  resident = eng.memory["params"] + eng.memory["cache"]  # the engine's own accounting
+  if resident > chip.hbm_bytes:
+    raise PlanError(_no_fit("sampler_decode", resident, chip, "params + KV cache alone",
+                            f"{_KNOBS['sampler_decode'][0]} or {_KNOBS['sampler_decode'][1]}"))
   strategy = Temperature(r.temperature)
   params = abstract_params(cfg, mesh)
   spec = lambda shape, dt: _sds(shape, dt, eng._batch_spec(len(shape)))
   key_dt = jax.eval_shape(lambda: jax.random.key(0)).dtype
-  with jax.set_mesh(mesh):
-    prefill = eng._prefill.lower(params, spec((B // G, Pl), jnp.int32), spec((B // G, Pl), jnp.bool_),
-                                 spec((B,), key_dt), jnp.int32(0), spec((B,), jnp.bool_), samples=G,
-                                 strategy=strategy)
-  return {"sampler_prefill": prefill,
-          "sampler_decode": lambda compiled_prefill: _lower_decode(eng, mesh, params, prefill, compiled_prefill,
-                                                                    strategy)}
+
+  def prefill():
+    with jax.set_mesh(mesh):
+      return eng._prefill.lower(params, spec((B // G, Pl), jnp.int32), spec((B // G, Pl), jnp.bool_),
+                                spec((B,), key_dt), _I32, spec((B,), jnp.bool_), samples=G, strategy=strategy)
+
+  def decode(compiled_prefill):
+    """Decode chunk lowered on the state the compiled prefill outputs (its shapes and shardings)."""
+    state = jax.tree.map(lambda o, sh: _sds(o.shape, o.dtype, sh), compiled_prefill.out_info,
+                         compiled_prefill.output_shardings)
+    with jax.set_mesh(mesh):
+      return eng._chunk.lower(params, state, _I32, _I32, strategy=strategy)
+  return {"sampler_prefill": prefill, "sampler_decode": decode}
 
 
-def _lower_decode(eng, mesh, params, prefill, compiled_prefill, strategy):
-  """Decode chunk lowered on the state the compiled prefill outputs (its shapes and shardings)."""
-  state = jax.tree.map(lambda o, sh: _sds(o.shape, o.dtype, sh), prefill.out_info,
-                       compiled_prefill.output_shardings)
-  with jax.set_mesh(mesh):
-    return eng._chunk.lower(params, state, jnp.int32(0), jnp.int32(eng.max_new_tokens), strategy=strategy)
-
-
-def _analyze(name: str, mesh_desc: str, lowered, t0: float, chip: Chip) -> tuple[Program, Any]:
-  """Compiles `lowered` and reads its per-chip figures; raises PlanError at once when it does not fit."""
-  compiled = lowered.compile()
-  dt = time.perf_counter() - t0
+def _analyze(name: str, mesh_desc: str, lower, chip: Chip, extra_s: float = 0.0) -> tuple[Program, Any]:
+  """Lowers (`lower()`) and compiles one program, reads its per-chip figures; PlanError when it does not fit."""
+  t0 = time.perf_counter()
+  compiled = lower().compile()
+  dt = time.perf_counter() - t0 + extra_s
   m = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
   prog = Program(name, mesh_desc, int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
                  int(m.alias_size_in_bytes), int(m.temp_size_in_bytes), float(cost.get("flops", 0.0)),
                  float(cost.get("bytes accessed", 0.0)), dt)
+  logging.info("plan: compiled %s in %.1f s: peak %.2f GiB per chip", name, dt, prog.peak_bytes / GIB)
   check_fit([prog], chip)
   return prog, compiled
 
@@ -242,32 +284,28 @@ def model_flops(cfg: M.ModelConfig, tokens: int, context: int) -> float:
 def make_plan(c) -> dict[str, Any]:
   """Builds, compiles and measures every program of config `c` on its plan topology; returns the table.
 
-  Raises PlanError (one line) when a program's per-chip peak exceeds the chip's HBM.
+  Raises PlanError (one line) as soon as a program's per-chip peak exceeds the chip's HBM.
   """
-  p = c.plan
-  chip = Chip.from_config(p)
+  chip = Chip.from_config(c.plan)
   cfg = builders.model_config(c)
-  devices = plan_devices(p)
+  devices = plan_devices(c.plan)
   topo = build_topology(c.topology, devices=devices)
-  progs: list[Program] = []
-  t0 = time.perf_counter()
-  prog, _ = _analyze("trainer_step", _mesh_desc(topo.trainer_mesh), trainer_program(c, topo, cfg), t0, chip)
+  desc_t, desc_s = _mesh_desc(topo.trainer_mesh), _mesh_desc(topo.sampler_mesh)
+  progs = [_analyze("trainer_step", desc_t, lambda: trainer_program(c, topo, cfg, chip), chip)[0]]
+  sampler_topo = dataclasses.replace(topo, sampler_mesh=on_first_slices(topo.sampler_mesh, devices))
+  sp = sampler_programs(c, sampler_topo, cfg, chip)
+  prog, compiled_prefill = _analyze("sampler_prefill", desc_s, sp["sampler_prefill"], chip)
   progs.append(prog)
-  t0 = time.perf_counter()
-  sp = sampler_programs(c, topo, cfg)
-  prog, compiled_prefill = _analyze("sampler_prefill", _mesh_desc(topo.sampler_mesh), sp["sampler_prefill"], t0, chip)
-  progs.append(prog)
-  t0 = time.perf_counter()
-  prog, _ = _analyze("sampler_decode", _mesh_desc(topo.sampler_mesh), sp["sampler_decode"](compiled_prefill), t0, chip)
-  progs.append(prog)
-  push = None
+  progs.append(_analyze("sampler_decode", desc_s, lambda: sp["sampler_decode"](compiled_prefill), chip)[0])
   if not topo.colocated:
     push = CrossMeshPush(topo.trainer_mesh, topo.sampler_mesh, M.param_shardings(cfg, topo.sampler_mesh),
                          dtype=cfg.jnp_dtype)
-    for name, lowered in push.lowered(abstract_params(cfg, topo.trainer_mesh)).items():
-      t0 = time.perf_counter()
-      mesh = {"push_cross": push.global_mesh, "push_to_sampler": topo.sampler_mesh}.get(name, push.mirror)
-      progs.append(_analyze(name, _mesh_desc(mesh), lowered, t0, chip)[0])
+    t0 = time.perf_counter()
+    parts = push.lowered(abstract_params(cfg, topo.trainer_mesh), compile_mesh=lambda m: on_first_slices(m, devices))
+    lower_s = (time.perf_counter() - t0) / len(parts)  # lowering is shared; split it evenly
+    meshes = {"push_to_transport": push.mirror, "push_cross": push.global_mesh, "push_to_sampler": topo.sampler_mesh}
+    for name, lowered in parts.items():
+      progs.append(_analyze(name, _mesh_desc(meshes[name]), lambda: lowered, chip, extra_s=lower_s)[0])
   return _table(c, chip, cfg, topo, progs, devices)
 
 
@@ -300,8 +338,8 @@ def _table(c, chip: Chip, cfg: M.ModelConfig, topo: Topology, progs: list[Progra
                   sampler_batch=c.plan.sampler_batch),
       assumptions=dict(hbm_gib=chip.hbm_bytes / GIB, peak_tflops=chip.peak_flops / 1e12,
                        hbm_tb_s=chip.hbm_bw / 1e12, ici_gb_s=chip.ici_bw / 1e9, dcn_gb_s=chip.dcn_bw / 1e9,
-                       time=("roofline max(flops/peak, bytes/hbm_bw) per chip; flops/bytes = max(cost_analysis, analytic "
-                             "count: 2 x matmul params x tokens + attention, x4 with remat for training; "
+                       time=("roofline max(flops/peak, bytes/hbm_bw) per chip; flops/bytes = max(cost_analysis, "
+                             "analytic count: 2 x matmul params x tokens + attention, x4 with remat for training; "
                              "decode reads all weights + cache per token); a lower bound"),
                        push="bandwidth model: transport (ICI) + cross (DCN across slices) + gather (ICI)"),
       programs=[dict(dataclasses.asdict(q), peak_bytes=q.peak_bytes, peak_gib=round(q.peak_bytes / GIB, 3),
@@ -330,11 +368,9 @@ _KNOBS = {
 def check_fit(progs: list[Program], chip: Chip) -> None:
   for q in progs:
     if q.peak_bytes > chip.hbm_bytes:
-      over = (q.peak_bytes - chip.hbm_bytes) / GIB
       act, weights = _KNOBS.get(q.name, ("smaller buckets", "more devices per role"))
       knob = act if q.temp_bytes >= q.argument_bytes else weights
       if q.name == "trainer_step" and q.temp_bytes >= q.argument_bytes:
         knob += " or remat (model.overrides.remat=True)"
-      raise PlanError(f"{q.name} does not fit: needs {q.peak_bytes / GIB:.2f} GiB per chip of "
-                      f"{chip.hbm_bytes / GIB:.2f} GiB HBM (over by {over:.2f} GiB; args "
-                      f"{q.argument_bytes / GIB:.2f}, temp {q.temp_bytes / GIB:.2f} GiB); try {knob}")
+      raise PlanError(_no_fit(q.name, q.peak_bytes, chip, f"args {q.argument_bytes / GIB:.3g}, temp "
+                              f"{q.temp_bytes / GIB:.3g} GiB", knob))

@@ -47,13 +47,20 @@ def completions(tokenizer, out: SampleOutput) -> list[str]:
   return [tok_lib.decode(tokenizer, t[:n]) for t, n in zip(toks, lens)]
 
 
-def pack(out: SampleOutput, rewards: np.ndarray) -> RolloutBatch:
+def pack(out: SampleOutput, rewards: np.ndarray, prompt_len: int) -> RolloutBatch:
   """Sampler output (prompt-major rows) + rewards → the trainer's RolloutBatch.
 
-  tokens = [left-padded prompt | right-padded response]; the behaviour log-prob
-  of response token j sits at index P-1+j, where token_logprobs scores it.
+  tokens = [prompt left-padded to `prompt_len` | right-padded response], so every
+  batch has the same static shape (no trainer recompiles, fixed checkpoint
+  shapes); the behaviour log-prob of response token j sits at index P-1+j,
+  where token_logprobs scores it.
   """
   prompt, pmask = np.asarray(out.prompt_tokens), np.asarray(out.prompt_mask)
+  if prompt.shape[1] > prompt_len:
+    raise ValueError(f"prompt bucket {prompt.shape[1]} exceeds the batch prompt length {prompt_len}")
+  extra = prompt_len - prompt.shape[1]
+  prompt = np.pad(prompt, ((0, 0), (extra, 0)))
+  pmask = np.pad(pmask, ((0, 0), (extra, 0)))
   resp, lens = np.asarray(out.tokens), np.asarray(out.lengths)
   B, P = prompt.shape
   N = resp.shape[1]
@@ -69,6 +76,15 @@ def pack(out: SampleOutput, rewards: np.ndarray) -> RolloutBatch:
                       loss_mask=jnp.asarray(response_loss_mask(input_mask, P)),
                       behaviour_logprobs=jnp.asarray(blp), rewards=jnp.asarray(rewards, jnp.float32),
                       versions=jnp.asarray(row_version), group_ids=jnp.asarray(out.prompt_ids, jnp.int32))
+
+
+def empty_batch(batch: int, prompt_len: int, new_tokens: int) -> RolloutBatch:
+  """An all-zero RolloutBatch of the static shape `pack` produces (a checkpoint restore template)."""
+  T = prompt_len + new_tokens
+  z = lambda *s, d=np.float32: jnp.zeros(s, d)
+  return RolloutBatch(tokens=z(batch, T, d=np.int32), input_mask=z(batch, T, d=bool), loss_mask=z(batch, T - 1),
+                      behaviour_logprobs=z(batch, T - 1), rewards=z(batch), versions=z(batch, d=np.int32),
+                      group_ids=z(batch, d=np.int32))
 
 
 def sft_target(record: Record, style: str) -> str:

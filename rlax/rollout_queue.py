@@ -75,6 +75,17 @@ class RolloutQueue:
         self.staleness_hist[staleness] += 1
         return item, time.perf_counter() - t0
 
+  def peek(self, n: int, timeout: Optional[float] = None) -> list[Rollout]:
+    """The first `n` queued rollouts (waiting until there are n), without removing them."""
+    if n > self.maxsize:
+      raise ValueError(f"cannot wait for {n} rollouts in a queue of size {self.maxsize}")
+    with self._cv:
+      if not self._cv.wait_for(lambda: self._closed or len(self._items) >= n, timeout):
+        raise TimeoutError(f"fewer than {n} rollouts arrived")
+      if len(self._items) < n:
+        raise Closed()
+      return list(self._items)[:n]
+
   def close(self) -> None:
     with self._cv:
       self._closed = True

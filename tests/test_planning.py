@@ -4,6 +4,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -64,10 +65,9 @@ def test_trainer_memory_matches_parameter_count(local_plan):
   row_sh = NamedSharding(mesh, P(("data", "fsdp")))
   batch = (_shard_bytes((rows, seq), jnp.int32, row_sh) + _shard_bytes((rows, seq), jnp.bool_, row_sh)
            + 2 * _shard_bytes((rows, seq - 1), jnp.float32, row_sh) + 3 * _shard_bytes((rows,), jnp.int32, row_sh))
-  want = 3 * params + batch
   got = {p["name"]: p for p in t["programs"]}["trainer_step"]["argument_bytes"]
-  # Optimizer counters and the step are a few scalars on top.
-  assert want <= got <= want + 64, (got, want)
+  # jit prunes batch fields the loss does not read (e.g. versions); step and optimizer counts are scalars.
+  assert 3 * params < got <= 3 * params + batch + 64, (got, params, batch)
   # The donated state comes back in place: outputs alias the params + moments.
   assert {p["name"]: p for p in t["programs"]}["trainer_step"]["alias_bytes"] >= 3 * params
   assert t["config"]["params"] == cfg.num_params()
@@ -92,15 +92,33 @@ def test_transport_spec_hand_cases():
   assert transport_spec((3,), {"data": 2, "fsdp": 1, "tensor": 2}) == P()
 
 
-def test_oversized_config_fails_with_one_line():
-  c = tiny_config()
-  c.plan.hbm_gib = 1e-4  # ~105 KB per chip: the trainer step cannot fit
+def test_oversized_program_fails_with_one_line(local_plan):
+  """A compiled program over HBM: one line naming it, the overshoot and the knob."""
+  _, t = local_plan
+  trainer = {p["name"]: p for p in t["programs"]}["trainer_step"]
+  prog = planning.Program(**{k: trainer[k] for k in ("name", "mesh", "argument_bytes", "output_bytes",
+                                                     "alias_bytes", "temp_bytes", "flops", "bytes_accessed",
+                                                     "compile_s")})
+  hbm = prog.peak_bytes - 1024
+  chip = planning.Chip("tiny", hbm, 1e12, 1e12, 1e9, 1e9)
   with pytest.raises(planning.PlanError) as e:
-    planning.make_plan(c)
+    planning.check_fit([prog], chip)
   msg = str(e.value)
-  assert "\n" not in msg
-  assert msg.startswith("trainer_step does not fit: needs ")
-  assert "over by" in msg and ("micro_batches" in msg or "fsdp" in msg)
+  assert "\n" not in msg and msg.startswith("trainer_step does not fit: needs ")
+  assert f"over by {1024 / 2 ** 30:.3g} GiB" in msg
+  knob = "micro_batches" if prog.temp_bytes >= prog.argument_bytes else "FSDP"
+  assert knob in msg
+  planning.check_fit([prog], planning.Chip("ok", prog.peak_bytes, 1e12, 1e12, 1e9, 1e9))  # exactly fits
+
+
+def test_oversized_state_fails_before_compiling():
+  """Params + AdamW moments over HBM fail at once, from the shardings alone (no minutes-long compile)."""
+  c = tiny_config()
+  c.plan.hbm_gib = 1e-4  # 105 KB per chip; the tiny trainer state is ~320 KB per chip
+  t0 = time.perf_counter()
+  with pytest.raises(planning.PlanError, match=r"^trainer_step does not fit: .*params \+ optimizer state alone"):
+    planning.make_plan(c)
+  assert time.perf_counter() - t0 < 15
 
 
 def test_plan_cli_oversized_prints_one_line():
@@ -125,5 +143,39 @@ def test_tpu_topology_plan_or_clear_error():
   assert list(progs) == NAMES
   assert t["config"]["devices"] == 8
   assert t["estimates"]["push"]["link"] == "dcn"  # trainer and sampler on different TPU slices
-  assert progs["push_cross"]["argument_bytes"] == t["estimates"]["push"]["per_chip_transport_bytes"]
+  # TPU layouts pad small arrays to (8, 128) tiles, so compiled bytes are at least the logical ones.
+  assert progs["push_cross"]["argument_bytes"] >= t["estimates"]["push"]["per_chip_transport_bytes"]
   assert progs["trainer_step"]["argument_bytes"] > 3 * t["config"]["params"] * 4 // 4
+
+
+def test_tpu_launcher_commands_follow_the_plan_topology():
+  run = lambda *a: subprocess.run([sys.executable, "-m", "launch.tpu", *a], cwd=ROOT, capture_output=True,
+                                  text=True, timeout=60)
+  r = run("--config=configs/paper_qwq32b.py", "--config.plan.topology=v5p-1024")
+  assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+      "rlax: tpu: plan.topology='v5p-1024' is not '<generation>:<AxBxC>'")
+  r = run("--config=configs/v5p_128.py", "--method=xpk", "--cluster=k")
+  assert r.stdout.startswith("xpk workload create --cluster=k --workload=rlax --tpu-type=v5p-64 --num-slices=2")
+  r = subprocess.run([sys.executable, "-m", "launch.tpu", "--config=configs/paper_qwq32b.py", "--project=p",
+                      "--zone=z"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+  assert r.returncode == 0, r.stderr[-2000:]
+  lines = r.stdout.strip().splitlines()
+  assert lines[0].startswith("gcloud compute tpus queued-resources create rlax --node-count=2 ")
+  assert "--accelerator-type=v5p-1024" in lines[0]
+  ssh = [l for l in lines if "tpu-vm ssh" in l]
+  assert len(ssh) == 2 and all("--worker=all" in l and "--config=configs/paper_qwq32b.py" in l for l in ssh)
+
+
+def test_xm_launcher_sweep_and_missing_extra():
+  from launch import xm_launch
+  assert xm_launch.job_args("c.py", "") == [{"config": "c.py"}]
+  assert xm_launch.job_args("c.py", "optimizer.lr=1,2") == [{"config": "c.py", "config.optimizer.lr": "1"},
+                                                            {"config": "c.py", "config.optimizer.lr": "2"}]
+  with pytest.raises(ValueError, match="field=v1,v2"):
+    xm_launch.job_args("c.py", "optimizer.lr")
+  if importlib.util.find_spec("xmanager") is None:
+    r = subprocess.run([sys.executable, "-m", "launch.xm_launch"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "rlax: xm_launch: xmanager is not installed; install the optional extra in its own venv: "
+        "pip install -e '.[xmanager]'")

@@ -43,7 +43,7 @@ def arithmetic(n: int, difficulty: int = 1, seed: int = 0) -> list[Record]:
     out.append(Record(
         id=f"arithmetic-d{difficulty}-s{seed}-{i}", prompt=f"What is {text}? {ANSWER_INSTRUCTION}",
         answer=str(int(value)), task="arithmetic", source="synthetic/arithmetic",
-        difficulty=float(difficulty), metadata={"expression": text}))
+        difficulty=float(difficulty), metadata={"expression": text, "compact": text.replace(" ", "") + "="}))
   return out
 
 
@@ -155,7 +155,27 @@ def program(n: int, difficulty: int = 1, seed: int = 0, n_tests: int = 5) -> lis
   return out
 
 
-GENERATORS = {"arithmetic": arithmetic, "countdown": countdown, "program": program}
+def digit_sort(n: int, difficulty: int = 1, seed: int = 0) -> list[Record]:
+  """Sort a string of digits ascending. Difficulty d: 3 + d digits (10^(3+d) distinct problems).
+
+  Learnable by a tiny transformer in minutes on a CPU, yet far too many problems to memorize:
+  the demo's task, where held-out pass@k measures a skill, not recall.
+  """
+  _check(n, difficulty)
+  rng = random.Random(f"digit_sort/{difficulty}/{seed}")
+  out = []
+  for i in range(n):
+    digits = "".join(str(rng.randint(0, 9)) for _ in range(3 + difficulty))
+    answer = "".join(sorted(digits))
+    out.append(Record(
+        id=f"digit_sort-d{difficulty}-s{seed}-{i}",
+        prompt=f"Sort the digits {digits} in ascending order. {ANSWER_INSTRUCTION}", answer=answer,
+        task="digit_sort", source="synthetic/digit_sort", difficulty=float(difficulty),
+        metadata={"digits": digits, "compact": f"{digits}="}))
+  return out
+
+
+GENERATORS = {"arithmetic": arithmetic, "countdown": countdown, "program": program, "digit_sort": digit_sort}
 
 
 def generate(task: str, n: int, difficulty: int = 1, seed: int = 0) -> list[Record]:

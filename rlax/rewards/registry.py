@@ -20,6 +20,7 @@ _REGISTRY: dict[str, RewardFn] = {
     "arithmetic": text.arithmetic_reward,
     "countdown": text.countdown_reward,
     "code": code.code_reward,
+    "digit_sort": text.exact_reward,
 }
 _TASK_ALIASES = {"program": "code"}
 

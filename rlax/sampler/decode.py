@@ -51,14 +51,18 @@ class LayerCache:
 
   @property
   def samples(self) -> int:
-    return self.gk[0].shape[0] // self.pk[0].shape[0]
+    return self.gk[0][0].shape[0] // self.pk[0].shape[0]
 
 
 def segments(n_new: int) -> tuple[tuple[int, int], ...]:
-  """(start, end) of the generated-slot segments: up to 4, boundaries at multiples of 8."""
-  if n_new <= 32:
+  """(start, end) of the generated-slot segments: up to 4, boundaries at multiples of 64.
+
+  Segments shorter than 64 slots make XLA:CPU's reductions much slower (short
+  minor axis), so short generations use one segment.
+  """
+  if n_new <= 128:
     return ((0, n_new),)
-  ends = sorted({min(n_new, -(-(n_new * i // 4) // 8) * 8) for i in range(1, 5)})
+  ends = sorted({min(n_new, -(-(n_new * i // 4) // 64) * 64) for i in range(1, 5)})
   return tuple(zip([0] + ends[:-1], ends))
 
 
@@ -127,12 +131,11 @@ def fuse_params(params: M.Params, cfg: M.ModelConfig) -> dict[str, Any]:
           "lm_head": M.lm_head(params, cfg)}
 
 
-def _attend(q, k, v, pk, pv, gks, gvs, prompt_valid, used):
-  """q [B, K, Gh, Dh] over the shared prompt, the generated segments gks/gvs, and itself (k, v).
+def _attend(q, pk, pv, gks, gvs, prompt_valid, last):
+  """q [B, K, Gh, Dh] over the shared prompt and the generated segments gks/gvs.
 
-  All segments but the last are full; in the last only the first `used` slots
-  are. The current token's own key/value enter directly rather than through
-  the cache, so attention does not wait on this step's cache write.
+  All segments but the last are full; in the last, slots <= `last` are valid
+  (the current token was just written there).
   """
   B, K, Gh, Dh = q.shape
   Pb = pk.shape[0]
@@ -145,10 +148,9 @@ def _attend(q, k, v, pk, pv, gks, gvs, prompt_valid, used):
   for i, gk in enumerate(gks):
     sg = jnp.sum(qf[..., None] * gk.astype(f32)[:, :, None], axis=3)  # [B, K, Gh, n_i]
     if i == len(gks) - 1:
-      sg = jnp.where(jnp.arange(gk.shape[-1]) < used, sg, _NEG)
+      sg = jnp.where(jnp.arange(gk.shape[-1]) <= last, sg, _NEG)
     scores.append(sg)
-  scores.append(jnp.sum(qf * k.astype(f32)[:, :, None, :], axis=-1, keepdims=True))  # self
-  p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(v.dtype)
+  p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(pv.dtype)
   P = sp.shape[-1]
   pp = p[..., :P].reshape(Pb, G, K, Gh, P)
   out = jnp.sum(pp[..., None] * pv[:, None, :, None], axis=4).reshape(B, K, Gh, Dh)
@@ -157,7 +159,7 @@ def _attend(q, k, v, pk, pv, gks, gvs, prompt_valid, used):
     n = gv.shape[2]
     out = out + jnp.sum(p[..., off:off + n, None] * gv[:, :, None], axis=3)
     off += n
-  return out + p[..., off:] * v[:, :, None, :]
+  return out
 
 
 def decode_step(fused: dict, cfg: M.ModelConfig, cache: LayerCache, tok: Int[Array, "B"],
@@ -190,10 +192,11 @@ def decode_step(fused: dict, cfg: M.ModelConfig, cache: LayerCache, tok: Int[Arr
       k = rms_norm(k, w["k_norm"], cfg.norm_eps)
     q = apply_rope(q, posb, inv_freq).reshape(B, K, H // K, Dh)
     k = apply_rope(k, posb, inv_freq).reshape(B, K, Dh)
-    a = _attend(q, k, v, cache.pk[l], cache.pv[l], gks[l][:seg + 1], gvs[l][:seg + 1], cache.prompt_valid,
-                local)
+    # Write first, then attend over the updated buffers: reading the old buffer
+    # alongside an in-place write makes XLA copy the whole cache every step.
     gks[l][seg] = jax.lax.dynamic_update_slice(gks[l][seg], k[..., None].astype(dt), (z, z, z, local))
     gvs[l][seg] = jax.lax.dynamic_update_slice(gvs[l][seg], v[:, :, None].astype(dt), (z, z, local, z))
+    a = _attend(q, cache.pk[l], cache.pv[l], gks[l][:seg + 1], gvs[l][:seg + 1], cache.prompt_valid, local)
     x = x + a.astype(dt).reshape(B, H * Dh) @ w["o"]
     h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
     gu = h @ w["gate_up"]

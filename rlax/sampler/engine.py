@@ -16,6 +16,7 @@ weights (see `loop.refill`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import time
 from typing import Callable, Optional, Sequence, Union
@@ -143,7 +144,11 @@ class Sampler:
                                                dict(self.mesh.shape)))
 
   def _check_memory(self, budget: Optional[int]) -> dict[str, int]:
-    """Per-device bytes of params + KV cache (+ the prefill's transient cache) against the budget."""
+    """Per-device bytes of params + KV cache + the largest transient cache, against the budget.
+
+    The transient is the prefill's model-layout cache, or with decode_chunk set
+    the refill's whole-sequence cache after a weight swap (as big as the cache).
+    """
     cfg, B, S = self.cfg, self.batch_size, self.max_prompt_len + self.max_new_tokens
     one_layer = (B, cfg.n_kv_heads, S, cfg.head_dim)  # one layer's keys (or values), as decode stores them
     csh = None
@@ -151,7 +156,7 @@ class Sampler:
       csh = NamedSharding(self.mesh, M.spec_for(("batch", "act_kv_heads", None, None), one_layer,
                                                 dict(self.mesh.shape)))
     cache = _bytes_per_device(one_layer, cfg.jnp_dtype, csh) * 2 * cfg.n_layers
-    prefill = cache * self.max_prompt_len // S
+    prefill = cache if self.decode_chunk else cache * self.max_prompt_len // S
     shapes = jax.tree.leaves(M.param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))
     shards = (jax.tree.leaves(self._param_shardings) if self.mesh is not None else [None] * len(shapes))
     params = sum(_bytes_per_device(s, cfg.jnp_param_dtype, sh) for s, sh in zip(shapes, shards))
@@ -159,9 +164,9 @@ class Sampler:
     need = cache + prefill + params
     if need > budget:
       raise ValueError(
-          f"sampler needs {need:,} bytes per device (KV cache {cache:,} for batch {B} x {S} slots, prefill "
+          f"sampler needs {need:,} bytes per device (KV cache {cache:,} for batch {B} x {S} slots, transient "
           f"cache {prefill:,}, params {params:,}) but the memory budget is {budget:,} bytes per device")
-    return dict(cache=cache, prefill=prefill, params=params, budget=budget)
+    return dict(cache=cache, transient=prefill, params=params, budget=budget)
 
   def update_weights(self, params: M.Params, version: int) -> None:
     """Installs new weights (same tree/shapes/dtypes; resharded to the sampler's shardings). Thread-safe."""
@@ -240,7 +245,7 @@ class Sampler:
     put = (lambda x: jax.device_put(x, self._batch_spec(np.ndim(x)))) if self.mesh is not None else jnp.asarray
     keys = loop.row_keys(seed, step, put(np.repeat(ids, G)), put(sample_ids))
     params, ver = self._weights
-    ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
+    ctx = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
     with ctx:
       t0 = time.perf_counter()
       st = self._prefill(params, put(toks), put(valid), keys, np.int32(ver), put(live), samples=G,
@@ -272,10 +277,3 @@ class Sampler:
                         prompt_ids=jnp.asarray(np.repeat(ids[:n], G).astype(np.int32)),
                         sample_ids=jnp.asarray(sample_ids[:rows].astype(np.int32)), version=newest)
 
-
-class _null:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *a):
-    return False

@@ -9,7 +9,7 @@ import pytest
 
 from rlax import models as M
 from rlax import sampler as S
-from rlax.sampler import loop
+from rlax.sampler import decode, loop
 
 CFG = M.ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 PROMPTS = [[1, 5, 9], [1, 7, 3, 22, 40, 41, 13], [1, 60], [1, 2, 3, 4, 5]]
@@ -60,11 +60,16 @@ def make(**kw):
   return S.Sampler(CFG, **args)
 
 
+@pytest.fixture(scope="module")
+def sm():
+  """One default sampler shared by tests that only read from it (saves compiles)."""
+  return make()
+
+
 @pytest.mark.parametrize("strategy", [S.Greedy(), S.Temperature(0.8), S.TopK(4, 1.2), S.TopP(0.7, 1.0),
                                       S.TopP(0.9, 0.7, k=6)])
-def test_matches_full_forward_reference(strategy):
+def test_matches_full_forward_reference(sm, strategy):
   """Greedy = step-by-step argmax; sampled tokens and behaviour log-probs = full-forward recomputation."""
-  sm = make()
   out = sm.generate(PROMPTS, samples_per_prompt=2, strategy=strategy, seed=3, step=7)
   ref_tok, ref_lp = reference(lambda t: P0, PROMPTS, 8, strategy, seed=3, step=7, G=2)
   np.testing.assert_array_equal(np.asarray(out.tokens), ref_tok)
@@ -79,9 +84,8 @@ def test_matches_full_forward_reference(strategy):
   assert np.asarray(out.prompt_mask[0]).tolist() == [False] * 5 + [True] * 3
 
 
-def test_group_samples_differ_and_share_one_prefill():
+def test_group_samples_differ_and_share_one_prefill(sm):
   """G samples of one prompt come from one prefill row (see reference equality above) yet differ."""
-  sm = make()
   out = sm.generate([PROMPTS[1]], samples_per_prompt=4, strategy=S.Temperature(1.5), seed=0)
   rows = {tuple(r) for r in np.asarray(out.tokens).tolist()}
   assert len(rows) > 1
@@ -117,9 +121,8 @@ def test_stop_conditions_and_early_exit():
   assert int(one.lengths[0]) == lens[0] and sm.last_timings["steps"] == lens[0] < 8
 
 
-def test_padding_invariance():
+def test_padding_invariance(sm):
   """A row's output depends on its prompt, id and sample index only, not on the batch or the bucket."""
-  sm = make()
   kw = dict(samples_per_prompt=2, strategy=S.Temperature(1.0), seed=5)
   alone = sm.generate([PROMPTS[0]], prompt_ids=[11], **kw)
   mixed = sm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], prompt_ids=[3, 11, 4], **kw)
@@ -145,6 +148,16 @@ def test_no_recompile_inside_buckets():
   assert dict(sm.trace_counts) == {"prefill": 2, "decode": 2}
 
 
+def test_long_generation_over_cache_segments():
+  """Past 128 new tokens the generated cache is split in segments; output still equals the reference."""
+  assert decode.segments(130) == ((0, 64), (64, 128), (128, 130))
+  long = make(max_new_tokens=130, batch_size=2)
+  out = long.generate(PROMPTS[:2], strategy=S.Temperature(1.0), seed=1)
+  ref_tok, ref_lp = reference(lambda t: P0, PROMPTS[:2], 130, S.Temperature(1.0), seed=1)
+  np.testing.assert_array_equal(np.asarray(out.tokens), ref_tok)
+  np.testing.assert_allclose(np.asarray(out.logprobs), ref_lp, atol=1e-5)
+
+
 def test_weight_update_between_chunks():
   """Swapping weights before chunk 1 applies from that chunk's first token, and versions record it."""
   sm = make(max_new_tokens=9, decode_chunk=3)
@@ -167,23 +180,23 @@ def test_weight_update_between_chunks():
   assert not np.array_equal(old_tok[:, 3:], ref_tok[:, 3:])
 
 
-def test_submesh_matches_single_device():
+def test_submesh_matches_single_device(sm):
   mesh = M.make_mesh(jax.devices()[:4], data=2, fsdp=1, tensor=2)
-  single = make().generate(PROMPTS, samples_per_prompt=2, strategy=S.TopP(0.9), seed=2)
-  sm = make(mesh=mesh, params=None)
-  sm.update_weights(P0, version=0)
-  assert set(sm._weights[0]["layers"]["q"].sharding.device_set) == set(jax.devices()[:4])
-  out = sm.generate(PROMPTS, samples_per_prompt=2, strategy=S.TopP(0.9), seed=2)
+  single = sm.generate(PROMPTS, samples_per_prompt=2, strategy=S.TopP(0.9), seed=2)
+  meshed = make(mesh=mesh, params=None)
+  meshed.update_weights(P0, version=0)
+  assert set(meshed._weights[0]["layers"]["q"].sharding.device_set) == set(jax.devices()[:4])
+  out = meshed.generate(PROMPTS, samples_per_prompt=2, strategy=S.TopP(0.9), seed=2)
+  assert len(out.tokens.sharding.device_set) == 4
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(single.tokens))
   np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(single.logprobs), atol=1e-5)
   # Per device: batch split over data=2, KV heads over tensor=2.
-  assert sm.memory["cache"] * 4 == make().memory["cache"]
+  assert meshed.memory["cache"] * 4 == sm.memory["cache"]
 
 
-def test_memory_budget_and_bad_requests():
+def test_memory_budget_and_bad_requests(sm):
   with pytest.raises(ValueError, match=r"KV cache .* batch 16 x 24 slots.*budget is 10,000 bytes"):
     make(memory_budget_bytes=10_000)
-  sm = make()
   with pytest.raises(ValueError, match="exceeds max_prompt_len 16"):
     sm.generate([[1] * 17])
   with pytest.raises(ValueError, match="exceed batch_size 16"):
