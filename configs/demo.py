@@ -26,13 +26,13 @@ def get_config(arg: str | None = None):
   c.topology.sampler_mesh = dict(data=-1, fsdp=1, tensor=1)
   c.algorithm.name = "grpo"
   c.algorithm.kl_coef = 0.0
-  c.optimizer.lr = 1e-3
+  c.optimizer.lr = 1e-4
   c.optimizer.clip_norm = 1.0
   c.rollout.prompts_per_step = 16
   c.rollout.samples_per_prompt = 8
   c.rollout.max_prompt_len = 16
   c.rollout.max_new_tokens = 8
-  c.controller.steps = 100
+  c.controller.steps = 300
   c.controller.max_staleness = 1
   c.data.task = "digit_sort"
   c.data.difficulty = 2

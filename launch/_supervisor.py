@@ -84,6 +84,8 @@ class Supervisor:
       attempts.append(codes)
       if not failed:
         return {"ok": True, "restarts": attempt, "attempts": attempts}
-      print(f"rlax: supervisor: process {failed[0]} exited with {codes[failed[0]]}; restarting the job "
-            f"(attempt {attempt + 1} of {self.max_restarts})", file=sys.stderr, flush=True)
+      what = (f"restarting the job (restart {attempt + 1} of {self.max_restarts})" if attempt < self.max_restarts
+              else "no restarts left")
+      print(f"rlax: supervisor: process {failed[0]} exited with {codes[failed[0]]}; {what}", file=sys.stderr,
+            flush=True)
     return {"ok": False, "restarts": self.max_restarts, "attempts": attempts}

@@ -70,7 +70,8 @@ class _Versions:
 class Controller:
   """Builds every part from `config` and runs RL: `Controller(config).run()` → summary dict."""
 
-  def __init__(self, config, *, progress: bool = True, callbacks=()):
+  def __init__(self, config, *, progress: bool = True, callbacks=(), tokenizer=None, records=None,
+               reward_fn=None):
     builders.validate(config)
     self.c = config
     self.workdir = config.workdir
@@ -78,11 +79,12 @@ class Controller:
     self.model_cfg = builders.model_config(config)
     self.algo = builders.algorithm(config)
     self.topo = build_topology(config.topology)
-    self.tokenizer = tok_lib.load_demo_tokenizer()
+    # tokenizer / records=(train, eval) / reward_fn replace what the config names (benchmarks, embedding).
+    self.tokenizer = tokenizer or tok_lib.load_demo_tokenizer()
     if self.tokenizer.get_vocab_size() > self.model_cfg.vocab_size:
       raise ValueError(f"tokenizer has {self.tokenizer.get_vocab_size()} tokens but model.vocab_size is "
                        f"{self.model_cfg.vocab_size}")
-    self.train_records, self.eval_records = builders.datasets(config)
+    self.train_records, self.eval_records = records or builders.datasets(config)
     r = config.rollout
     self.G, self.P = r.samples_per_prompt, r.prompts_per_step
     self.trainer = Trainer(self.model_cfg, self.algo, builders.optimizer(config, config.controller.steps),
@@ -94,7 +96,7 @@ class Controller:
                               sampler_dtype=self.model_cfg.dtype,
                               mode=config.param_server.bucket if not config.param_server.bucket_bytes else "bytes",
                               bucket_bytes=config.param_server.bucket_bytes or None)
-    self.reward_fn = rewards.get(config.reward.name)
+    self.reward_fn = reward_fn or rewards.get(config.reward.name)
     self.pool = rewards.VerifierPool(num_workers=config.reward.workers, timeout_s=config.reward.timeout_s)
     self.data = RecordIterator(self.train_records, seed=config.seed)
     self.versions = _Versions()

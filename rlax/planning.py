@@ -84,6 +84,10 @@ class Program:
     flops, nbytes = max(self.flops, self.est_flops), max(self.bytes_accessed, self.est_bytes)
     return max(flops / chip.peak_flops, nbytes / chip.hbm_bw)
 
+  def analytic_s(self, chip: Chip) -> float:
+    """Roofline of the analytic count alone: what the math needs, whatever the compiled code touches."""
+    return max(self.est_flops / chip.peak_flops, self.est_bytes / chip.hbm_bw)
+
 
 def plan_devices(p) -> list:
   """Abstract TPU devices of `p.topology` x `p.num_slices`, or the local backend's for "local"."""
@@ -343,12 +347,16 @@ def _table(c, chip: Chip, cfg: M.ModelConfig, topo: Topology, progs: list[Progra
                              "decode reads all weights + cache per token); a lower bound"),
                        push="bandwidth model: transport (ICI) + cross (DCN across slices) + gather (ICI)"),
       programs=[dict(dataclasses.asdict(q), peak_bytes=q.peak_bytes, peak_gib=round(q.peak_bytes / GIB, 3),
-                     hbm_frac=round(q.peak_bytes / chip.hbm_bytes, 4), roofline_s=q.roofline_s(chip))
+                     hbm_frac=round(q.peak_bytes / chip.hbm_bytes, 4), roofline_s=q.roofline_s(chip),
+                     analytic_s=q.analytic_s(chip))
                 for q in progs],
       estimates=dict(train_step_s=step_s, train_tokens_per_s=rows * seq / max(step_s, 1e-12),
                      train_mfu_flops_per_chip=by["trainer_step"].est_flops,
                      prefill_s=prefill_s, decode_token_step_s=decode_s,
                      sampler_tokens_per_s=c.plan.sampler_batch / max(decode_s, 1e-12),
+                     analytic_decode_token_step_s=by["sampler_decode"].analytic_s(chip),
+                     analytic_sampler_tokens_per_s=c.plan.sampler_batch / max(by["sampler_decode"].analytic_s(chip),
+                                                                               1e-12),
                      push=push),
       compile_s={q.name: round(q.compile_s, 2) for q in progs},
   )

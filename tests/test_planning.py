@@ -16,6 +16,7 @@ from configs import paper_qwq32b
 from rlax import models as M
 from rlax import planning
 from rlax.multihost import transport_spec
+from rlax.topology import build_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ["trainer_step", "sampler_prefill", "sampler_decode", "push_to_transport", "push_cross",
@@ -56,7 +57,7 @@ def test_trainer_memory_matches_parameter_count(local_plan):
   """Trainer args per chip = (params + 2 AdamW moments) shards + batch shards, from the shardings alone."""
   c, t = local_plan
   cfg = M.preset("w1", **c.model.overrides.to_dict())
-  topo = planning.build_topology(c.topology)
+  topo = build_topology(c.topology)
   mesh = topo.trainer_mesh
   shapes = jax.eval_shape(lambda: M.init_params(cfg, jax.random.key(0)))
   shard = M.param_shardings(cfg, mesh)

@@ -162,14 +162,25 @@ def attention(q: Float[Array, "B T H Dh"], k: Float[Array, "B S K Dh"], v: Float
   return o.reshape(B, T, H, Dh)
 
 
+def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
+  """Contracts the last `n_in` dims of x with the first `n_in` of w, as one 2-D matmul.
+
+  XLA:CPU lowers the backward of batched einsums like 'btd,df->btf' through
+  transposing copies; the equivalent [B*T, D] @ [D, F] form is 1.4-2x faster in
+  training and identical in value.
+  """
+  lead, k = x.shape[:-n_in], int(np.prod(x.shape[x.ndim - n_in:]))
+  out = w.shape[n_in:]
+  y = x.reshape(-1, k) @ w.reshape(k, -1)
+  return y.reshape(*lead, *out)
+
+
 def _layer(cfg: ModelConfig, inv_freq, x, lp, positions, mask, kv_write):
   """One block. kv_write(k, v) -> (keys, values) to attend over (identity without a cache)."""
   dt = cfg.jnp_dtype
   lp = jax.tree.map(lambda w: w.astype(dt), lp)
   h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
-  q = jnp.einsum("btd,dhk->bthk", h, lp["q"])
-  k = jnp.einsum("btd,dhk->bthk", h, lp["k"])
-  v = jnp.einsum("btd,dhk->bthk", h, lp["v"])
+  q, k, v = dense(h, lp["q"]), dense(h, lp["k"]), dense(h, lp["v"])
   if cfg.qkv_bias:
     q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
   if cfg.qk_norm:
@@ -179,13 +190,11 @@ def _layer(cfg: ModelConfig, inv_freq, x, lp, positions, mask, kv_write):
   k = apply_rope(k, positions, inv_freq)
   keys, values = kv_write(k, v)
   a = attention(q, keys, values, mask)
-  x = x + jnp.einsum("bthk,hkd->btd", a, lp["o"])
+  x = x + dense(a, lp["o"], n_in=2)
   x = constrain(x, ("batch", "act_seq", "act_embed"))
   h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
-  g = jnp.einsum("btd,df->btf", h, lp["gate"])
-  u = jnp.einsum("btd,df->btf", h, lp["up"])
-  m = constrain(jax.nn.silu(g) * u, ("batch", "act_seq", "act_mlp"))
-  x = x + jnp.einsum("btf,fd->btd", m, lp["down"])
+  m = constrain(jax.nn.silu(dense(h, lp["gate"])) * dense(h, lp["up"]), ("batch", "act_seq", "act_mlp"))
+  x = x + dense(m, lp["down"])
   return constrain(x, ("batch", "act_seq", "act_embed"))
 
 

@@ -1,0 +1,102 @@
+"""W3 benchmark: full GRPO iterations of the rlax controller (generate, reward, reference log-probs, update, push).
+
+    python bench/iteration.py                       # W3 on the W1 model, synchronous (k=0)
+    python bench/iteration.py --max_staleness=1     # pipelined: batch s+1 generates while step s trains
+
+Workload (shared/bench-peers README, W3): random W1-shape model; per iteration 16 new prompts
+(BOS + 31 ids in [3, 1024)) x 8 samples, up to 64 new tokens at temperature 1 with EOS (id 2) live,
+reward = fraction of even completion token ids, group-normalized GRPO advantages, k3 KL to the
+reference (beta 0.04), one AdamW update (lr 1e-5), then the weight push to the sampler. It runs the
+real `Controller` on `--cpu_devices` fake CPU devices split into a trainer and a sampler submesh.
+The iteration time is the controller's step time; we report the median over the iterations after
+the first `--warmup` (compiles), with the per-role time split. The last output line is one JSON object.
+"""
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+from absl import app, flags
+
+flags.DEFINE_integer("vocab", 1024, "vocabulary size")
+flags.DEFINE_integer("d_model", 256, "model width")
+flags.DEFINE_integer("layers", 4, "transformer layers")
+flags.DEFINE_integer("heads", 4, "query heads")
+flags.DEFINE_integer("kv_heads", 2, "key/value heads")
+flags.DEFINE_integer("head_dim", 64, "head dimension")
+flags.DEFINE_integer("mlp", 1024, "MLP hidden size")
+flags.DEFINE_integer("prompts", 16, "prompts per iteration")
+flags.DEFINE_integer("prompt_len", 32, "prompt tokens (BOS included)")
+flags.DEFINE_integer("samples", 8, "samples per prompt (group size)")
+flags.DEFINE_integer("new_tokens", 64, "max new tokens")
+flags.DEFINE_integer("iters", 6, "timed iterations")
+flags.DEFINE_integer("warmup", 2, "untimed first iterations (compilation)")
+flags.DEFINE_integer("max_staleness", 0, "k: 0 = synchronous on-policy, 1 = one-step pipelined")
+flags.DEFINE_integer("cpu_devices", 2, "fake CPU devices (half trainer, half sampler)")
+FLAGS = flags.FLAGS
+
+
+def _tokenizer(vocab: int):
+  """Token id i is the word 't<i>' (as the peers' benchmarks do); ids 0-2 are pad, bos, eos."""
+  import tokenizers
+  from tokenizers import models, pre_tokenizers
+  words = {f"t{i}": i for i in range(vocab)}
+  words.update({"<pad>": 0, "<bos>": 1, "<eos>": 2})
+  tok = tokenizers.Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.add_special_tokens(["<pad>", "<bos>", "<eos>"])
+  return tok
+
+
+def _even_fraction(completion: str, record):
+  ids = [int(w[1:]) for w in completion.split() if w.startswith("t") and w[1:].isdigit()]
+  return (sum(i % 2 == 0 for i in ids) / len(ids) if ids else 0.0), {}
+
+
+def main(argv):
+  del argv
+  import jax
+  jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
+  import numpy as np
+  from configs import base
+  from rlax.controller import Controller
+  from rlax.data.records import Record
+
+  n_iter = FLAGS.warmup + FLAGS.iters
+  c = base.get_config()
+  c.workdir = tempfile.mkdtemp(prefix="rlax_w3_")
+  c.model.overrides = dict(vocab_size=FLAGS.vocab, d_model=FLAGS.d_model, n_layers=FLAGS.layers,
+                           n_heads=FLAGS.heads, n_kv_heads=FLAGS.kv_heads, head_dim=FLAGS.head_dim,
+                           mlp_dim=FLAGS.mlp)
+  half = FLAGS.cpu_devices // 2
+  c.topology.update(slice_size=half, trainer_slices=1, sampler_slices=1)
+  c.algorithm.update(name="grpo", kl_coef=0.04, kl_estimator="k3")
+  c.optimizer.lr = 1e-5
+  c.rollout.update(prompts_per_step=FLAGS.prompts, samples_per_prompt=FLAGS.samples,
+                   max_prompt_len=FLAGS.prompt_len, max_new_tokens=FLAGS.new_tokens, temperature=1.0)
+  c.controller.update(steps=n_iter, max_staleness=FLAGS.max_staleness, queue_size=max(1, FLAGS.max_staleness))
+  c.checkpoint.update(every_steps=0, every_seconds=0.0)
+  c.eval.n_samples = 1
+  rng = np.random.default_rng(0)
+  recs = [Record(id=str(i), prompt=" ".join(f"t{t}" for t in rng.integers(3, FLAGS.vocab, FLAGS.prompt_len - 1)),
+                 answer="") for i in range(FLAGS.prompts * n_iter)]
+  ctl = Controller(c, progress=False, tokenizer=_tokenizer(FLAGS.vocab), records=(recs, recs[:1]),
+                   reward_fn=_even_fraction)
+  ctl.run()
+  rows = ctl.metrics.history[FLAGS.warmup:]
+  med = lambda k: statistics.median(r[k] for r in rows)
+  out = {"iter_s": med("step_s"), "gen_s": med("gen_s"), "reward_s": med("reward_s"), "train_s": med("train_s"),
+         "sync_s": med("sync_total_s"), "trainer_idle_s": med("trainer_idle_s"),
+         "sampler_idle_s": med("sampler_idle_s"), "response_len": med("response_len"),
+         "iters": len(rows), "max_staleness": FLAGS.max_staleness, "devices": FLAGS.cpu_devices}
+  for r in rows:
+    print(f"iter {r['step']}: {r['step_s']:.3f}s (gen {r['gen_s']:.3f} train {r['train_s']:.3f} "
+          f"sync {r['sync_total_s']:.3f} trainer idle {r['trainer_idle_s']:.3f})")
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  app.run(main)
