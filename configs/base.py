@@ -69,4 +69,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict(dict(n_prompts=128, n_samples=8, temperature=1.0))
   c.checkpoint = ml_collections.ConfigDict(dict(every_steps=50, every_seconds=600.0, keep=3,
                                                 grace_seconds=30.0))
+  # Simulated slice preemption (rlax.failover): "slice:step,..." loses / restores a slice at a step boundary.
+  c.faults = ml_collections.ConfigDict(dict(lose_slice_at="", restore_slice_at=""))
   return c

@@ -75,6 +75,7 @@ def main(argv):
                      np.float32)
       batch = R.pack(out, rew, sampler.max_prompt_len)
       means.append(float(rew.mean()))
+    multihost.barrier(f"rollout_{step}")  # generation takes longer than gloo waits for a peer
     batch = multihost_utils.broadcast_one_to_all(jax.tree.map(np.asarray, batch), is_source=pid == 1)
     if pid == 0:
       state, metrics = trainer.step(state, jax.tree.map(np.asarray, batch))

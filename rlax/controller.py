@@ -14,6 +14,7 @@ rlax.sampler, rlax.trainer, rlax.param_server and rlax.rewards.
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ import numpy as np
 
 from rlax import builders
 from rlax import evaluation
+from rlax import failover
 from rlax import models as M
 from rlax import rollout as rollout_lib
 from rlax.checkpoint import Checkpointer, IncompatibleCheckpointError, abstract_like, to_json
@@ -36,7 +38,7 @@ from rlax.metrics import MetricsWriter
 from rlax.param_server import ParameterServer
 from rlax import rewards
 from rlax.rollout_queue import Closed, Rollout, RolloutQueue
-from rlax.topology import build_topology
+from rlax.topology import SliceLostError, build_topology
 from rlax.trainer import OptimizerConfig, Trainer
 
 
@@ -87,15 +89,10 @@ class Controller:
     self.train_records, self.eval_records = records or builders.datasets(config)
     r = config.rollout
     self.G, self.P = r.samples_per_prompt, r.prompts_per_step
-    self.trainer = Trainer(self.model_cfg, self.algo, builders.optimizer(config, config.controller.steps),
-                           self.topo.trainer_mesh, group_size=self.G,
-                           micro_batches=config.optimizer.micro_batches, temperature=r.temperature)
+    self.trainer = self._build_trainer(self.topo.trainer_mesh)
     self.sampler = rollout_lib.make_sampler(config, self.model_cfg, self.topo.sampler_mesh)
     self.method = rollout_lib.strategy(r.temperature, r.top_k, r.top_p)
-    self.ps = ParameterServer(M.param_shardings(self.model_cfg, self.topo.sampler_mesh),
-                              sampler_dtype=self.model_cfg.dtype,
-                              mode=config.param_server.bucket if not config.param_server.bucket_bytes else "bytes",
-                              bucket_bytes=config.param_server.bucket_bytes or None)
+    self.ps = self._build_ps(self.topo.sampler_mesh)
     self.reward_fn = reward_fn or rewards.get(config.reward.name)
     self.pool = rewards.VerifierPool(num_workers=config.reward.workers, timeout_s=config.reward.timeout_s)
     self.data = RecordIterator(self.train_records, seed=config.seed)
@@ -115,6 +112,17 @@ class Controller:
     ck = config.checkpoint
     self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=ck.keep,
                              every_steps=ck.every_steps or None, every_seconds=ck.every_seconds or None)
+    self.failover = failover.Failover(self)  # slice health, scheduled faults, recovery
+
+  def _build_trainer(self, mesh) -> Trainer:
+    c = self.c
+    return Trainer(self.model_cfg, self.algo, builders.optimizer(c, c.controller.steps), mesh, group_size=self.G,
+                   micro_batches=c.optimizer.micro_batches, temperature=c.rollout.temperature)
+
+  def _build_ps(self, mesh) -> ParameterServer:
+    ps = self.c.param_server
+    return ParameterServer(M.param_shardings(self.model_cfg, mesh), sampler_dtype=self.model_cfg.dtype,
+                           mode=ps.bucket if not ps.bucket_bytes else "bytes", bucket_bytes=ps.bucket_bytes or None)
 
   # -- parameters and checkpoints ---------------------------------------------------------------------------
   def _fresh_state(self):
@@ -176,6 +184,8 @@ class Controller:
 
   def push(self, params, version: int) -> dict:
     """Trainer → parameter server (device-to-device); the sampler pulls at its next batch or chunk."""
+    self.failover.ensure_alive(self.topo.sampler_mesh)
+    self.failover.remember(params, version)
     stats = self.ps.push(params, version)
     self.versions.publish(version)
     return {"sync_s": stats.seconds, "sync_bytes": float(stats.bytes), "sync_gb_per_s": stats.gb_per_s}
@@ -204,6 +214,7 @@ class Controller:
         records = self.data.next_batch(self.P)
         self._data_after[s] = self.data.get_state()
         t0 = time.perf_counter()
+        self.failover.ensure_alive(self.topo.sampler_mesh)
         out = self.sampler.generate(rollout_lib.encode_prompts(self.tokenizer, records), samples_per_prompt=self.G,
                                     strategy=self.method, seed=c.seed, step=s,
                                     prompt_ids=[s * self.P + i for i in range(len(records))], on_chunk=on_chunk)
@@ -223,6 +234,9 @@ class Controller:
         self.timers["sampler_queue_wait_s"] += wait
     except Closed:
       pass
+    except SliceLostError as e:  # the trainer thread recovers (rlax.failover)
+      self._sampler_error = e
+      self.queue.close()
     except BaseException as e:  # surfaced in the trainer thread, which owns the run
       logging.exception("sampler thread failed")
       self._sampler_error = e
@@ -262,6 +276,64 @@ class Controller:
     logging.info("eval (%s): %s", params_version_note, res)
     return res
 
+  def _epoch(self, s: int, state, ref_params, before: dict):
+    """Trains from step `s` until done or stopped → (step, state); raises failover.TopologyChange."""
+    c = self.c
+    steps = c.controller.steps
+    first = s + len(self.queue)  # the queued rollouts (restored or kept over a failover) come first
+    self._data_after[first - 1] = self.data.get_state()
+    self._started, self._sampler_error = first - 1, None
+    thread = threading.Thread(target=self._sampler_loop, args=(first, steps), daemon=True, name="sampler")
+    thread.start()
+    try:
+      self.failover.settle(state, s)
+      while s < steps and not self._stop.is_set():
+        self.failover.at_step(s)
+        t0 = time.perf_counter()
+        try:
+          item, wait = self.queue.get(policy_version=s)
+        except Closed:
+          if self._sampler_error is not None:
+            raise self._sampler_error from None
+          raise
+        batch = item.data
+        t1 = time.perf_counter()
+        if ref_params is not None:
+          batch = batch.replace(ref_logprobs=self.trainer.ref_logprobs(ref_params, batch))
+        state, m = self.trainer.step(state, batch)
+        m = jax.device_get(m)
+        t2 = time.perf_counter()
+        sync, lost = {}, None
+        if (s + 1) % c.controller.push_every == 0:
+          if c.deterministic:
+            self._wait_sampler_started(s + c.controller.max_staleness, steps)
+          try:
+            sync = self.push(state.params, s + 1)
+          except SliceLostError as e:  # the step is done; the rebuilt sampler gets these weights
+            lost = e
+        t3 = time.perf_counter()
+        row = {k: float(v) for k, v in m.items()}
+        row.update(item.stats)
+        row.update(sync)
+        row.update(train_s=t2 - t1, trainer_idle_s=wait, sync_total_s=t3 - t2, step_s=t3 - t0,
+                   staleness=float(s - item.version), dropped=float(self.queue.dropped))
+        row["tokens_per_s"] = row.get("response_tokens", 0.0) / max(t3 - t0, 1e-9)
+        self.metrics.write(s, row)
+        for cb in self.callbacks:
+          cb(self, s, row)
+        s += 1
+        if lost is not None:
+          raise lost
+        self._save(s, state, before, force=self._stop.is_set() or s == steps)
+    except failover.TopologyChange as e:
+      e.position = (s, state)  # where recovery starts from
+      raise
+    finally:
+      self.queue.close()
+      self.versions.close()
+      thread.join(timeout=60)
+    return s, state
+
   def run(self) -> dict:
     """Trains from the newest checkpoint (or from scratch) to `controller.steps`; returns the summary."""
     t_start = time.perf_counter()
@@ -286,42 +358,15 @@ class Controller:
     for r in pending:
       self.queue.put(r)
     ref_params = jax.tree.map(lambda x: x.copy(), state.params) if self.algo.kl_coef > 0 else None
-    thread = threading.Thread(target=self._sampler_loop, args=(start + len(pending), steps), daemon=True,
-                              name="sampler")
-    thread.start()
     s = start
     try:
-      while s < steps and not self._stop.is_set():
-        t0 = time.perf_counter()
-        item, wait = self.queue.get(policy_version=s)
-        batch = item.data
-        t1 = time.perf_counter()
-        if ref_params is not None:
-          batch = batch.replace(ref_logprobs=self.trainer.ref_logprobs(ref_params, batch))
-        state, m = self.trainer.step(state, batch)
-        m = jax.device_get(m)
-        t2 = time.perf_counter()
-        sync = {}
-        if (s + 1) % c.controller.push_every == 0:
-          if c.deterministic:
-            self._wait_sampler_started(s + c.controller.max_staleness, steps)
-          sync = self.push(state.params, s + 1)
-        t3 = time.perf_counter()
-        row = {k: float(v) for k, v in m.items()}
-        row.update(item.stats)
-        row.update(sync)
-        row.update(train_s=t2 - t1, trainer_idle_s=wait, sync_total_s=t3 - t2, step_s=t3 - t0,
-                   staleness=float(s - item.version), dropped=float(self.queue.dropped))
-        row["tokens_per_s"] = row.get("response_tokens", 0.0) / max(t3 - t0, 1e-9)
-        self.metrics.write(s, row)
-        for cb in self.callbacks:
-          cb(self, s, row)
-        s += 1
-        self._save(s, state, before, force=self._stop.is_set() or s == steps)
+      while True:  # one pass per stretch between slice failures
+        try:
+          s, state = self._epoch(s, state, ref_params, before)
+          break
+        except failover.TopologyChange as e:
+          s, state, ref_params = self.failover.recover(e, *e.position, ref_params)
     finally:
-      self.queue.close()
-      self.versions.close()
-      thread.join(timeout=60)
       self.ckpt.wait()
       if self._grace_timer is not None:
         self._grace_timer.cancel()
@@ -329,7 +374,11 @@ class Controller:
       raise self._sampler_error
     self.final_state = state
     hist = {str(k): v for k, v in sorted(self.queue.staleness_hist.items())}
-    summary = {"steps": s, "preempted": s < steps, "staleness_hist": hist}
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(jax.device_get(state.params)):
+      digest.update(np.ascontiguousarray(leaf).tobytes())
+    summary = {"steps": s, "preempted": s < steps, "staleness_hist": hist, "params_sha256": digest.hexdigest(),
+               "failovers": len(self.failover.events)}
     if s == steps:
       after = self.evaluate("after")
       n = c.eval.n_samples

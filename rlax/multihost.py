@@ -43,6 +43,19 @@ def init_distributed(coordinator_address: str, num_processes: int, process_id: i
                              process_id=process_id)
 
 
+def barrier(name: str, timeout_s: float = 3600.0) -> None:
+  """Waits until every process reaches `name` (the coordination service's barrier; a no-op in one process).
+
+  Gloo gives a new collective 30 s for every peer to arrive; a collective that one role reaches minutes
+  after the other (a long SFT, a slow step) fails with "Gloo context initialization failed". A barrier
+  first, with a long timeout, lines the processes up. Names must be unique per use.
+  """
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed  # the public API has no non-collective barrier in jax 0.10
+  distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
 def maybe_init_pathways() -> bool:
   """Initializes Pathways when the optional `pathwaysutils` extra is installed; returns whether it did.
 
@@ -85,16 +98,17 @@ class CrossMeshPush:
 
   Works within one process and across processes (see the module docstring). `dst_shardings`: pytree of
   NamedSharding on `dst_mesh`, with the same structure as the pushed tree; `dtype`: the sampler's dtype
-  (cast on the source side, so fewer bytes cross). Both meshes need the same device count.
+  (cast on the source side, so fewer bytes cross). Both meshes need the same device count. `name`: unique
+  per instance and equal across processes (it names the barrier before each push).
   """
 
-  def __init__(self, src_mesh: Mesh, dst_mesh: Mesh, dst_shardings: Any, dtype: Any = None):
+  def __init__(self, src_mesh: Mesh, dst_mesh: Mesh, dst_shardings: Any, dtype: Any = None, name: str = "push"):
     if src_mesh.devices.size != dst_mesh.devices.size:
       raise ValueError(f"CrossMeshPush needs equal device counts per role, got trainer {src_mesh.devices.size} "
                        f"and sampler {dst_mesh.devices.size}; use as many sampler slices as trainer slices")
     if set(src_mesh.devices.flat) & set(dst_mesh.devices.flat):
       raise ValueError("CrossMeshPush needs disjoint meshes; colocated roles move weights with jax.device_put")
-    self.src_mesh, self.dst_mesh, self.dtype = src_mesh, dst_mesh, dtype
+    self.src_mesh, self.dst_mesh, self.dtype, self.name = src_mesh, dst_mesh, dtype, name
     self.dst_shardings = dst_shardings
     names = dst_mesh.axis_names
     # Trainer devices in the sampler mesh's shape: device (i, j, k) of the mirror sends to (i, j, k) of dst.
@@ -104,6 +118,7 @@ class CrossMeshPush:
     self._leaves_sh, self._treedef = jax.tree.flatten(dst_shardings)
     self._local = {d for d in jax.local_devices()}
     self._compiled: dict = {}
+    self._calls = 0
 
   # -- layouts ---------------------------------------------------------------------------------------------
   def _specs(self, shapes):
@@ -168,6 +183,8 @@ class CrossMeshPush:
         bufs += [jax.device_put(np.zeros((1,) + shard, f["out_dt"][k]), d)
                  for d in self.dst_mesh.devices.flat if d in self._local]
       globs.append(jax.make_array_from_single_device_arrays((2,) + shape, gsh, bufs))
+    self._calls += 1
+    barrier(f"rlax_{self.name}_{self._calls}")
     with jax.set_mesh(self.global_mesh):
       out = f["cross"](globs)
     if not dst_here:
