@@ -190,7 +190,8 @@ def test_crash_mid_save_is_never_picked(tmp_path):
   proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=120)
   assert proc.returncode == 9, proc.stderr.decode()[-2000:]
   assert not (tmp_path / "2").exists()
-  assert [p.name for p in tmp_path.iterdir() if p.name.startswith("2.")] == ["2.orbax-checkpoint-tmp"]
+  # Depending on how far the write got, a tmp dir may or may not exist; a final "2" never does.
+  assert all(p.name == "2.orbax-checkpoint-tmp" for p in tmp_path.iterdir() if p.name.startswith("2"))
   rep = NamedSharding(M.make_mesh(jax.devices()[:1]), P())
   with ck.Checkpointer(tmp_path) as c:
     assert c.all_steps() == [1]

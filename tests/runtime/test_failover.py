@@ -46,8 +46,8 @@ def test_unknown_slice_in_schedule_is_an_error(tmp_path):
 
 
 def test_sampler_loss_rejoin_and_trainer_loss_in_one_run(tmp_path, reference):
-  # Step 2: sampler slice 2 lost; step 3: it returns; step 5: trainer slice 0 lost (checkpoint at step 4).
-  over = dict(DET, **{"faults.lose_slice_at": "2:2,0:5", "faults.restore_slice_at": "2:3"})
+  # Step 2: sampler slice 2 lost; step 4: it returns; step 5: trainer slice 0 lost (checkpoint at step 4).
+  over = dict(DET, **{"faults.lose_slice_at": "2:2,0:5", "faults.restore_slice_at": "2:4"})
   ctl = Controller(tiny_config(tmp_path, **over), progress=False)
   seen = []
   ctl.callbacks.append(lambda c, s, row: seen.append((s, _devices(c.topo.sampler_mesh))))
@@ -56,10 +56,10 @@ def test_sampler_loss_rejoin_and_trainer_loss_in_one_run(tmp_path, reference):
   lost_s, back, lost_t = [e for e in _events(ctl) if e["event"] == "recovered"]
   # Sampler loss: the fleet shrinks, the trainer keeps its slices, no step is lost.
   assert (lost_s["lost"], lost_s["trainer"], lost_s["sampler"], lost_s["steps_lost"]) == ([2], [0, 1], [3], 0)
-  assert seen[2] == (2, {6, 7})
+  assert seen[3] == (3, {6, 7})  # detected at the weight push after step 2; step 3 ran on the shrunk fleet
   # The returned slice rejoins as a sampler at the next batch boundary.
   assert (back["returned"], back["trainer"], back["sampler"], back["steps_lost"]) == ([2], [0, 1], [2, 3], 0)
-  assert seen[3] == (3, {4, 5, 6, 7})
+  assert seen[4] == (4, {4, 5, 6, 7})
   # Trainer loss: it steals sampler slice 2 (same mesh shape), restores step 4 and redoes step 4.
   assert (lost_t["lost"], lost_t["trainer"], lost_t["sampler"]) == ([0], [1, 2], [3])
   assert (lost_t["step"], lost_t["resume_step"], lost_t["steps_lost"]) == (5, 4, 1)
@@ -73,7 +73,7 @@ def test_sampler_loss_rejoin_and_trainer_loss_in_one_run(tmp_path, reference):
 def test_checkpoint_from_8_devices_restored_onto_4(tmp_path):
   # Colocated on all 4 slices (8 devices); losing slices 0 and 1 shrinks the trainer to 4 devices.
   over = {"topology.colocated": True, "topology.trainer_slices": 4, "topology.sampler_slices": -1,
-          "topology.sampler_mesh": dict(data=1, fsdp=-1, tensor=1),
+          "rollout.prompts_per_step": 8, "data.n_eval": 8,  # prompt batches divisible by 8 devices
           "controller.max_staleness": 0, "controller.steps": 4, "faults.lose_slice_at": "0:3,1:3"}
   ctl = Controller(tiny_config(tmp_path, **over), progress=False)
   assert len(_devices(ctl.topo.trainer_mesh)) == 8
