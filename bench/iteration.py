@@ -20,17 +20,8 @@ import tempfile
 
 from absl import app, flags
 
-flags.DEFINE_integer("vocab", 1024, "vocabulary size")
-flags.DEFINE_integer("d_model", 256, "model width")
-flags.DEFINE_integer("layers", 4, "transformer layers")
-flags.DEFINE_integer("heads", 4, "query heads")
-flags.DEFINE_integer("kv_heads", 2, "key/value heads")
-flags.DEFINE_integer("head_dim", 64, "head dimension")
-flags.DEFINE_integer("mlp", 1024, "MLP hidden size")
-flags.DEFINE_integer("prompts", 16, "prompts per iteration")
-flags.DEFINE_integer("prompt_len", 32, "prompt tokens (BOS included)")
-flags.DEFINE_integer("samples", 8, "samples per prompt (group size)")
-flags.DEFINE_integer("new_tokens", 64, "max new tokens")
+import workload
+
 flags.DEFINE_integer("iters", 6, "timed iterations")
 flags.DEFINE_integer("warmup", 2, "untimed first iterations (compilation)")
 flags.DEFINE_integer("max_staleness", 0, "k: 0 = synchronous on-policy, 1 = one-step pipelined")
@@ -67,9 +58,7 @@ def main(argv):
   n_iter = FLAGS.warmup + FLAGS.iters
   c = base.get_config()
   c.workdir = tempfile.mkdtemp(prefix="rlax_w3_")
-  c.model.overrides = dict(vocab_size=FLAGS.vocab, d_model=FLAGS.d_model, n_layers=FLAGS.layers,
-                           n_heads=FLAGS.heads, n_kv_heads=FLAGS.kv_heads, head_dim=FLAGS.head_dim,
-                           mlp_dim=FLAGS.mlp)
+  c.model.overrides = workload.model_overrides()
   half = FLAGS.cpu_devices // 2
   c.topology.update(slice_size=half, trainer_slices=1, sampler_slices=1)
   c.algorithm.update(name="grpo", kl_coef=0.04, kl_estimator="k3")

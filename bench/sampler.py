@@ -13,19 +13,10 @@ import json
 import time
 
 from absl import app, flags
+
+import workload
 import numpy as np
 
-flags.DEFINE_integer("vocab", 1024, "vocabulary size")
-flags.DEFINE_integer("d_model", 256, "model width")
-flags.DEFINE_integer("layers", 4, "number of layers")
-flags.DEFINE_integer("heads", 4, "query heads")
-flags.DEFINE_integer("kv_heads", 2, "key/value heads")
-flags.DEFINE_integer("head_dim", 64, "head dimension")
-flags.DEFINE_integer("mlp", 1024, "MLP hidden size")
-flags.DEFINE_integer("prompts", 16, "distinct prompts")
-flags.DEFINE_integer("prompt_len", 32, "tokens per prompt (BOS + random ids)")
-flags.DEFINE_integer("samples", 8, "samples per prompt")
-flags.DEFINE_integer("new_tokens", 64, "tokens generated per sequence (EOS disabled)")
 flags.DEFINE_integer("reps", 5, "timed repetitions after one warm-up")
 flags.DEFINE_boolean("baseline", True, "also time transformers generate()")
 flags.DEFINE_integer("devices", 1, "CPU devices for a data-parallel sampler mesh (XLA:CPU runs a small "
@@ -86,9 +77,7 @@ def main(_):
   from rlax import models as M
   from rlax import sampler as S
 
-  cfg = M.ModelConfig(vocab_size=FLAGS.vocab, d_model=FLAGS.d_model, n_layers=FLAGS.layers,
-                      n_heads=FLAGS.heads, n_kv_heads=FLAGS.kv_heads, head_dim=FLAGS.head_dim,
-                      mlp_dim=FLAGS.mlp)
+  cfg = workload.model_config()
   mesh = (M.make_mesh(jax.devices()[:FLAGS.devices], data=FLAGS.devices, fsdp=1, tensor=1)
           if FLAGS.devices > 1 else None)
   params = M.create_params(cfg, mesh=mesh, seed=0)

@@ -22,21 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+import workload
+
 from rlax import models as M
 from rlax.algorithms import get_algorithm
 from rlax.trainer import OptimizerConfig, RolloutBatch, Trainer, response_loss_mask
 
-flags.DEFINE_integer("vocab", 1024, "vocabulary size")
-flags.DEFINE_integer("d_model", 256, "model width")
-flags.DEFINE_integer("layers", 4, "transformer layers")
-flags.DEFINE_integer("heads", 4, "query heads")
-flags.DEFINE_integer("kv_heads", 2, "key/value heads")
-flags.DEFINE_integer("head_dim", 64, "head dimension")
-flags.DEFINE_integer("mlp", 1024, "MLP hidden size")
-flags.DEFINE_integer("prompts", 16, "prompts per batch")
-flags.DEFINE_integer("prompt_len", 32, "prompt tokens")
-flags.DEFINE_integer("samples", 8, "samples per prompt (group size)")
-flags.DEFINE_integer("new_tokens", 64, "completion tokens")
 flags.DEFINE_integer("reps", 5, "timed repetitions (after one warm-up)")
 flags.DEFINE_integer("micro_batches", 1, "gradient-accumulation micro-batches")
 flags.DEFINE_integer("chunk", 256, "sequence chunk of the log-prob computation")
@@ -83,8 +74,7 @@ def make_batch(cfg, params, prompts, prompt_len, samples, new_tokens):
 
 
 def main(_):
-  cfg = M.ModelConfig(vocab_size=FLAGS.vocab, d_model=FLAGS.d_model, n_layers=FLAGS.layers, n_heads=FLAGS.heads,
-                      n_kv_heads=FLAGS.kv_heads, head_dim=FLAGS.head_dim, mlp_dim=FLAGS.mlp)
+  cfg = workload.model_config()
   params = M.create_params(cfg, seed=0)
   ref_params = M.create_params(cfg, seed=0)
   batch = make_batch(cfg, params, FLAGS.prompts, FLAGS.prompt_len, FLAGS.samples, FLAGS.new_tokens)

@@ -105,15 +105,11 @@ def main(argv):
   rc = proc.wait()
   ref_rc = ref.wait()
   # Steps lost = work done before the fault minus the step the next process resumed from.
+  # (A kill right before the corruption counts the corruption's loss too: its process resumed further back.)
   for k, row in enumerate(table):
-    nxt = next(r for r in table[k:] if "log" in r)
-    resumed = _resumed_step(nxt["log"])
-    if row["kind"] == "corrupt_checkpoint":
-      row["lost"] = row["step"] - resumed
-      row["survived"] = "is unreadable" in open(nxt["log"]).read()
-    else:
-      row["lost"] = row["step"] - resumed
-      row["survived"] = True
+    log = table[k - 1]["log"] if row["kind"] == "corrupt_checkpoint" else row["log"]
+    row["lost"] = row["step"] - _resumed_step(log)
+    row["survived"] = row["kind"] != "corrupt_checkpoint" or "is unreadable" in open(log).read()
     later = [r["time"] for r in _rows(run_dir) if r["time"] > row["t"]]
     row["recovery_s"] = (min(later) - row["t"]) if later else float("nan")
   events = [json.loads(x) for x in open(os.path.join(run_dir, "failover.jsonl"))]

@@ -247,7 +247,9 @@ class ParameterServer:
         xs = _extract(xs, tuple(np.int32(l or 0) for _, l in units), dts, is_st)
       targets = tuple(NamedSharding(self._shardings[k].mesh, P(*self._shardings[k].spec[1:])) if l is not None
                       else self._shardings[k] for k, l in units)
-      arrays = tuple(jax.device_put(xs, targets))
+      # Never alias: the trainer donates its parameters to the next step, and on a colocated
+      # (same-sharding) push device_put would otherwise hand the sampler those very buffers.
+      arrays = tuple(jax.device_put(xs, targets, may_alias=False))
       nbytes = sum(a.nbytes for a in arrays)
       total += nbytes
       _insert_units(out, units, arrays, donate=True)

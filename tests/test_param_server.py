@@ -160,3 +160,17 @@ def test_colocated_push_same_devices_new_layout():
     np.testing.assert_array_equal(np.asarray(a), h.astype(jnp.bfloat16))
     assert a.sharding == t
   assert out["layers"]["q"].sharding.spec != params["layers"]["q"].sharding.spec
+
+
+@pytest.mark.parametrize("mode", ["whole", "per_layer"])
+def test_colocated_push_does_not_alias_donated_trainer_buffers(meshes, mode):
+  """Same mesh, same shardings, same dtype: the sampler must still get its own buffers."""
+  tmesh, _ = meshes
+  params, host = _params(tmesh, 5)
+  shardings = M.param_shardings(CFG, tmesh)
+  ps = ParameterServer(shardings, mode=mode)
+  ps.push(params, version=1)
+  jax.jit(lambda p: jax.tree.map(lambda x: x + 1, p), donate_argnums=0)(params)  # the trainer's next step
+  out, _ = ps.pull()
+  for a, h in zip(jax.tree.leaves(out), jax.tree.leaves(host)):
+    np.testing.assert_array_equal(np.asarray(a), h)
