@@ -33,8 +33,8 @@ def _tokenizer(vocab: int):
   """Token id i is the word 't<i>' (as the peers' benchmarks do); ids 0-2 are pad, bos, eos."""
   import tokenizers
   from tokenizers import models, pre_tokenizers
-  words = {f"t{i}": i for i in range(vocab)}
-  words.update({"<pad>": 0, "<bos>": 1, "<eos>": 2})
+  words = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
+  words.update({f"t{i}": i for i in range(3, vocab)})
   tok = tokenizers.Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
   tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
   tok.add_special_tokens(["<pad>", "<bos>", "<eos>"])

@@ -77,7 +77,7 @@ def main(argv):
   # Interruptions at increasing steps, away from the slice-fault steps; the SIGTERM sits in the middle.
   plan = ["kill"] * KILLS.value
   plan.insert(len(plan) // 2, "term")
-  free = [s for s in range(1, n - 1) if abs(s - lose_s) > 1 and abs(s - lose_t) > 1]
+  free = [s for s in range(1, n - 3) if abs(s - lose_s) > 1 and abs(s - lose_t) > 1]
   targets = sorted(rng.sample(free, len(plan)))
   corrupt_after = 1  # truncate the newest checkpoint after the second interruption
   table, n_proc, pending = [], 0, None
@@ -111,7 +111,9 @@ def main(argv):
     row["lost"] = row["step"] - _resumed_step(log)
     row["survived"] = row["kind"] != "corrupt_checkpoint" or "is unreadable" in open(log).read()
     later = [r["time"] for r in _rows(run_dir) if r["time"] > row["t"]]
-    row["recovery_s"] = (min(later) - row["t"]) if later else float("nan")
+    # Kill → the first step trained by the next process (or its summary, if no step was left to train).
+    done_at = min(later) if later else os.path.getmtime(os.path.join(run_dir, "summary.json"))
+    row["recovery_s"] = done_at - row["t"]
   events = [json.loads(x) for x in open(os.path.join(run_dir, "failover.jsonl"))]
   for e in (e for e in events if e["event"] == "recovered"):
     table.append({"kind": f"slice_loss {e['lost']} (trainer {e['trainer']}, sampler {e['sampler']})",

@@ -26,6 +26,9 @@ def main(argv):
   del argv
   import jax  # after flags: the CPU device count must be set before the first JAX operation
   jax.config.update("jax_num_cpu_devices", CPU_DEVICES.value)
+  from rlax.multihost import maybe_init_pathways
+  if maybe_init_pathways():  # the optional `pathways` extra: one controller for every slice
+    logging.info("Pathways initialized")
   from rlax.controller import Controller
   logging.set_verbosity(logging.INFO)
   # orbax logs every file operation at INFO; keep its warnings only.

@@ -167,11 +167,9 @@ class Failover:
                              ctl.c.controller.stale_policy)
     ctl.queue.staleness_hist, ctl.queue.dropped = old_queue.staleness_hist, old_queue.dropped
     ctl.versions = type(ctl.versions)()
-    if topo.assignment.sampler != old.assignment.sampler or topo.sampler_mesh != old.sampler_mesh:
+    if topo.sampler_mesh != old.sampler_mesh:
       ctl.sampler = rollout_lib.make_sampler(ctl.c, ctl.model_cfg, topo.sampler_mesh)
-      ctl.ps = ctl._build_ps(topo.sampler_mesh)
-    else:
-      ctl.ps = ctl._build_ps(topo.sampler_mesh)  # a fresh server: the next push fills it
+    ctl.ps = ctl._build_ps(topo.sampler_mesh)  # a fresh server on the sampler's shardings; _prime fills it
     from_step = step
     if trainer_hit or topo.trainer_mesh != old.trainer_mesh:
       ctl.trainer = ctl._build_trainer(topo.trainer_mesh)
