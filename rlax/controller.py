@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from absl import logging
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rlax import builders
@@ -33,6 +34,7 @@ from rlax import models as M
 from rlax import rollout as rollout_lib
 from rlax.checkpoint import Checkpointer, IncompatibleCheckpointError, abstract_like, to_json
 from rlax.data import tokenizer as tok_lib
+from rlax.data.dynamic_sampling import informative_groups
 from rlax.data.pipeline import RecordIterator
 from rlax.metrics import MetricsWriter
 from rlax.param_server import ParameterServer
@@ -40,6 +42,9 @@ from rlax import rewards
 from rlax.rollout_queue import Closed, Rollout, RolloutQueue
 from rlax.topology import SliceLostError, build_topology
 from rlax.trainer import OptimizerConfig, Trainer
+
+
+_MAX_ROUNDS = 4  # dynamic sampling: most sampling rounds spent refilling one batch
 
 
 class _Versions:
@@ -211,25 +216,14 @@ class Controller:
         with self._started_cv:
           self._started = s
           self._started_cv.notify_all()
-        records = self.data.next_batch(self.P)
+        t0 = time.perf_counter()
+        batch, lens, stats = self._graded_batch(s, on_chunk)
         self._data_after[s] = self.data.get_state()
-        t0 = time.perf_counter()
-        self.failover.ensure_alive(self.topo.sampler_mesh)
-        out = self.sampler.generate(rollout_lib.encode_prompts(self.tokenizer, records), samples_per_prompt=self.G,
-                                    strategy=self.method, seed=c.seed, step=s,
-                                    prompt_ids=[s * self.P + i for i in range(len(records))], on_chunk=on_chunk)
-        t_gen = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        texts = rollout_lib.completions(self.tokenizer, out)
-        graded = self.pool.grade(self.reward_fn, texts, [r for r in records for _ in range(self.G)])
-        rewards_np = np.array([g[0] for g in graded], np.float32)
-        batch = rollout_lib.pack(out, rewards_np, self.sampler.max_prompt_len)
-        t_rew = time.perf_counter() - t0
-        lens = np.asarray(out.lengths)
-        stats = dict(reward=float(rewards_np.mean()), pass_rate=float((rewards_np > 0.5).mean()),
+        rw = np.asarray(batch.rewards)
+        stats.update(reward=float(rw.mean()), pass_rate=float((rw > 0.5).mean()),
                      response_len=float(lens.mean()), response_tokens=float(lens.sum()),
-                     gen_s=t_gen, reward_s=t_rew, sampler_idle_s=idle,
-                     gen_tokens_per_s=float(lens.sum()) / max(t_gen, 1e-9))
+                     sampler_idle_s=idle, gen_tokens_per_s=float(lens.sum()) / max(stats["gen_s"], 1e-9),
+                     rollout_s=time.perf_counter() - t0)
         wait = self.queue.put(Rollout(s, int(np.asarray(batch.versions).min()), batch, stats))
         self.timers["sampler_queue_wait_s"] += wait
     except Closed:
@@ -241,6 +235,43 @@ class Controller:
       logging.exception("sampler thread failed")
       self._sampler_error = e
       self.queue.close()
+
+  def _graded_batch(self, s: int, on_chunk):
+    """P prompts × G samples for batch `s`, graded; with dynamic sampling, groups whose rewards all tie
+    are dropped and refilled from fresh prompts (up to `_MAX_ROUNDS` rounds; tied groups fill any rest,
+    harmlessly: their advantage is 0). Returns (batch, response lengths, stats)."""
+    c, P, G = self.c, self.P, self.G
+    kept, spare, t_gen, t_rew, dropped = [], [], 0.0, 0.0, 0
+    for rnd in range(_MAX_ROUNDS if c.controller.dynamic_sampling else 1):
+      records = self.data.next_batch(P)
+      t0 = time.perf_counter()
+      ids = [(s * _MAX_ROUNDS + rnd) * P + i for i in range(len(records))]  # unique, addressable keys
+      self.failover.ensure_alive(self.topo.sampler_mesh)
+      out = self.sampler.generate(rollout_lib.encode_prompts(self.tokenizer, records), samples_per_prompt=G,
+                                  strategy=self.method, seed=c.seed, step=s, prompt_ids=ids, on_chunk=on_chunk)
+      t1 = time.perf_counter()
+      graded = self.pool.grade(self.reward_fn, rollout_lib.completions(self.tokenizer, out),
+                               [r for r in records for _ in range(G)])
+      rewards_np = np.array([g[0] for g in graded], np.float32)
+      batch = rollout_lib.pack(out, rewards_np, self.sampler.max_prompt_len)
+      t_gen, t_rew = t_gen + t1 - t0, t_rew + time.perf_counter() - t1
+      lens = np.asarray(out.lengths)
+      if not c.controller.dynamic_sampling:
+        return batch, lens, {"gen_s": t_gen, "reward_s": t_rew}
+      keep, n_drop = informative_groups(rewards_np.reshape(-1, G))
+      dropped += n_drop
+      for g, k in enumerate(keep):
+        (kept if k else spare).append((batch, lens, np.arange(g * G, (g + 1) * G)))
+      if len(kept) >= P:
+        break
+    chosen = (kept + spare)[:P]
+    rows = lambda b, idx: jax.tree.map(lambda x: x[idx], b)
+    batch = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[rows(b, i) for b, _, i in chosen])
+    lens = np.concatenate([l[i] for _, l, i in chosen])
+    logging.log_every_n(logging.INFO, "dynamic sampling: batch %d dropped %d tied groups in %d rounds", 20,
+                        s, dropped, rnd + 1)
+    return batch, lens, {"gen_s": t_gen, "reward_s": t_rew, "dyn_dropped_groups": float(dropped),
+                         "dyn_rounds": float(rnd + 1), "dyn_tied_in_batch": float(max(0, P - len(kept)))}
 
   def _wait_sampler_started(self, batch_index: int, end: int) -> None:
     """Deterministic mode: version v may be published only once batch v-1+k has its weights."""

@@ -67,3 +67,25 @@ def test_contradictory_config_fails_with_field_name(tmp_path):
   c = tiny_config(tmp_path, **{"rollout.samples_per_prompt": 1})
   with pytest.raises(ValueError, match="samples_per_prompt"):
     Controller(c, progress=False)
+
+
+def test_dynamic_sampling_drops_tied_groups_and_keeps_batch_shape(tmp_path):
+  c = tiny_config(tmp_path, **{"controller.dynamic_sampling": True, "controller.steps": 2,
+                               "rollout.samples_per_prompt": 2})
+  ctl = Controller(c, progress=False, reward_fn=lambda text, record: (float(len(text) % 2), {}))
+  seen = []
+  step = ctl.trainer.step
+
+  def recording_step(state, batch):
+    seen.append(np.asarray(batch.rewards))
+    return step(state, batch)
+
+  ctl.trainer.step = recording_step
+  ctl.run()
+  assert len(seen) == 2
+  for rewards, row in zip(seen, ctl.metrics.history):
+    assert rewards.shape == (4 * 2,)
+    assert row["dyn_dropped_groups"] > 0  # random rewards: some groups tied and were refilled
+    groups = rewards.reshape(4, 2)
+    n_tied = int(np.sum(groups.max(1) == groups.min(1)))
+    assert n_tied == row["dyn_tied_in_batch"]
