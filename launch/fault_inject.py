@@ -82,20 +82,21 @@ def main(argv):
   corrupt_after = 1  # truncate the newest checkpoint after the second interruption
   table, n_proc, pending = [], 0, None
   for i, (kind, target) in enumerate(zip(plan, targets)):
+    base = len(_rows(run_dir))  # this process's rows come after `base`
     proc, log = _start(run_dir, faults, n_proc)
     n_proc += 1
     if pending:
       pending["log"] = log
-    while proc.poll() is None and max((r["step"] for r in _rows(run_dir)), default=-1) < target:
+    while proc.poll() is None and max((r["step"] for r in _rows(run_dir)[base:]), default=-1) < target:
       time.sleep(0.05)
     time.sleep(rng.uniform(0.0, 0.5))  # somewhere inside the next step
-    rows = _rows(run_dir)
-    done = rows[-1]["step"] + 1 if rows else 0
     if proc.poll() is not None:
       raise SystemExit(f"faulted run exited early (rc {proc.returncode}); see {log}")
     proc.send_signal(signal.SIGKILL if kind == "kill" else signal.SIGTERM)
+    proc.wait()  # a SIGTERM finishes its step and checkpoints first
     t_fault = time.time()
-    proc.wait()
+    rows = _rows(run_dir)[base:]
+    done = rows[-1]["step"] + 1 if rows else _resumed_step(log)
     pending = {"kind": "sigkill" if kind == "kill" else "sigterm", "step": done, "t": t_fault}
     table.append(pending)
     if i == corrupt_after:
@@ -110,6 +111,8 @@ def main(argv):
     log = table[k - 1]["log"] if row["kind"] == "corrupt_checkpoint" else row["log"]
     row["lost"] = row["step"] - _resumed_step(log)
     row["survived"] = row["kind"] != "corrupt_checkpoint" or "is unreadable" in open(log).read()
+    if row["kind"] == "sigterm":
+      row["survived"] = row["lost"] == 0  # the checkpoint at the stop holds every finished step
     later = [r["time"] for r in _rows(run_dir) if r["time"] > row["t"]]
     # Kill → the first step trained by the next process (or its summary, if no step was left to train).
     done_at = min(later) if later else os.path.getmtime(os.path.join(run_dir, "summary.json"))
