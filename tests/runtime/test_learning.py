@@ -3,23 +3,16 @@
 import numpy as np
 import pytest
 
-from configs import demo
 from rlax.controller import Controller
+from tiny import demo_config
 
 
 def _shrunk(workdir, colocated: bool):
-  c = demo.get_config()
-  c.workdir = str(workdir)
-  c.deterministic = True  # same outcome on every run: the assertion cannot flake
-  c.topology.colocated = colocated
-  c.init.sft_steps = 40
-  c.controller.steps = 150
-  c.rollout.prompts_per_step = 8
-  c.data.n_eval = 16
-  c.eval.n_samples = 2
-  c.checkpoint.every_steps = 0
-  c.checkpoint.every_seconds = 0.0
-  return c
+  # deterministic: the same outcome on every run, so the assertion cannot flake.
+  return demo_config(workdir, **{"deterministic": True, "topology.colocated": colocated, "init.sft_steps": 40,
+                                 "controller.steps": 150, "rollout.prompts_per_step": 8, "data.n_eval": 16,
+                                 "eval.n_samples": 2, "checkpoint.every_steps": 0,
+                                 "checkpoint.every_seconds": 0.0})
 
 
 @pytest.mark.parametrize("colocated", [False, True])
