@@ -13,7 +13,6 @@ rlax.sampler, rlax.trainer, rlax.param_server and rlax.rewards.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import os
@@ -106,7 +105,6 @@ class Controller:
                               config.controller.stale_policy)
     self.metrics = MetricsWriter(os.path.join(self.workdir, "logs"), total_steps=config.controller.steps,
                                  progress=progress)
-    self.timers = collections.defaultdict(float)
     self._sampler_error: Optional[BaseException] = None
     self._started = -1
     self._started_cv = threading.Condition()
@@ -224,8 +222,7 @@ class Controller:
                      response_len=float(lens.mean()), response_tokens=float(lens.sum()),
                      sampler_idle_s=idle, gen_tokens_per_s=float(lens.sum()) / max(stats["gen_s"], 1e-9),
                      rollout_s=time.perf_counter() - t0)
-        wait = self.queue.put(Rollout(s, int(np.asarray(batch.versions).min()), batch, stats))
-        self.timers["sampler_queue_wait_s"] += wait
+        self.queue.put(Rollout(s, int(np.asarray(batch.versions).min()), batch, stats))
     except Closed:
       pass
     except SliceLostError as e:  # the trainer thread recovers (rlax.failover)
