@@ -26,6 +26,8 @@ flags.DEFINE_integer("iters", 6, "timed iterations")
 flags.DEFINE_integer("warmup", 2, "untimed first iterations (compilation)")
 flags.DEFINE_integer("max_staleness", 0, "k: 0 = synchronous on-policy, 1 = one-step pipelined")
 flags.DEFINE_integer("cpu_devices", 2, "fake CPU devices (half trainer, half sampler)")
+flags.DEFINE_integer("micro_batch_tokens", 4096, "optimizer.micro_batch_tokens (per-device token budget of a "
+                     "micro-batch; 0: one micro-batch)")
 FLAGS = flags.FLAGS
 
 
@@ -48,6 +50,8 @@ def _even_fraction(completion: str, record):
 
 def main(argv):
   del argv
+  from rlax.allocator import reexec_with_tcmalloc, using_tcmalloc
+  reexec_with_tcmalloc()
   import jax
   jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
   import numpy as np
@@ -62,7 +66,7 @@ def main(argv):
   half = FLAGS.cpu_devices // 2
   c.topology.update(slice_size=half, trainer_slices=1, sampler_slices=1)
   c.algorithm.update(name="grpo", kl_coef=0.04, kl_estimator="k3")
-  c.optimizer.lr = 1e-5
+  c.optimizer.update(lr=1e-5, micro_batch_tokens=FLAGS.micro_batch_tokens)
   c.rollout.update(prompts_per_step=FLAGS.prompts, samples_per_prompt=FLAGS.samples,
                    max_prompt_len=FLAGS.prompt_len, max_new_tokens=FLAGS.new_tokens, temperature=1.0)
   c.controller.update(steps=n_iter, max_staleness=FLAGS.max_staleness, queue_size=max(1, FLAGS.max_staleness))
@@ -79,7 +83,8 @@ def main(argv):
   out = {"iter_s": med("step_s"), "gen_s": med("gen_s"), "reward_s": med("reward_s"), "train_s": med("train_s"),
          "sync_s": med("sync_total_s"), "trainer_idle_s": med("trainer_idle_s"),
          "sampler_idle_s": med("sampler_idle_s"), "response_len": med("response_len"),
-         "iters": len(rows), "max_staleness": FLAGS.max_staleness, "devices": FLAGS.cpu_devices}
+         "iters": len(rows), "max_staleness": FLAGS.max_staleness, "devices": FLAGS.cpu_devices,
+         "tcmalloc": using_tcmalloc()}
   for r in rows:
     print(f"iter {r['step']}: {r['step_s']:.3f}s (gen {r['gen_s']:.3f} train {r['train_s']:.3f} "
           f"sync {r['sync_total_s']:.3f} trainer idle {r['trainer_idle_s']:.3f})")

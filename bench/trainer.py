@@ -25,13 +25,17 @@ from absl import app, flags
 import workload
 
 from rlax import models as M
+from rlax.allocator import reexec_with_tcmalloc, using_tcmalloc
 from rlax.algorithms import get_algorithm
 from rlax.trainer import OptimizerConfig, RolloutBatch, Trainer, response_loss_mask
 
 flags.DEFINE_integer("reps", 5, "timed repetitions (after one warm-up)")
-flags.DEFINE_integer("micro_batches", 1, "gradient-accumulation micro-batches")
+flags.DEFINE_integer("micro_batches", 1, "gradient-accumulation micro-batches (at least)")
+flags.DEFINE_integer("micro_batch_tokens", 4096, "more micro-batches until each device holds at most this many "
+                     "tokens per micro-batch (0: off)")
 flags.DEFINE_integer("chunk", 256, "sequence chunk of the log-prob computation")
 flags.DEFINE_integer("matmul_n", 2048, "size of the square f32 matmul that measures the machine's peak")
+flags.DEFINE_integer("devices", 1, "CPU devices of a data-parallel trainer mesh (batch rows split over them)")
 FLAGS = flags.FLAGS
 
 
@@ -70,17 +74,24 @@ def make_batch(cfg, params, prompts, prompt_len, samples, new_tokens):
                       loss_mask=jnp.asarray(response_loss_mask(input_mask, prompt_len)),
                       behaviour_logprobs=behaviour,
                       rewards=jnp.asarray(rng.integers(0, 2, B).astype(np.float32)),
-                      versions=jnp.zeros(B, jnp.int32), group_ids=jnp.asarray(np.arange(B) // samples, jnp.int32))
+                      versions=jnp.zeros(B, jnp.int32), group_ids=jnp.asarray(np.arange(B) // samples, jnp.int32),
+                      prompt_len=prompt_len)
 
 
 def main(_):
+  reexec_with_tcmalloc()
+  if FLAGS.devices > 1:
+    jax.config.update("jax_num_cpu_devices", FLAGS.devices)  # before the first JAX operation
+  mesh = (M.make_mesh(jax.devices()[:FLAGS.devices], data=FLAGS.devices, fsdp=1, tensor=1)
+          if FLAGS.devices > 1 else None)
   cfg = workload.model_config()
   params = M.create_params(cfg, seed=0)
-  ref_params = M.create_params(cfg, seed=0)
+  ref_params = M.create_params(cfg, mesh, seed=0) if mesh is not None else M.create_params(cfg, seed=0)
   batch = make_batch(cfg, params, FLAGS.prompts, FLAGS.prompt_len, FLAGS.samples, FLAGS.new_tokens)
   B, T = batch.tokens.shape
   trainer = Trainer(cfg, get_algorithm("grpo", kl_coef=0.04, kl_estimator="k3"), OptimizerConfig(lr=1e-5),
-                    group_size=FLAGS.samples, micro_batches=FLAGS.micro_batches, logprob_chunk=FLAGS.chunk)
+                    mesh, group_size=FLAGS.samples, micro_batches=FLAGS.micro_batches,
+                    micro_batch_tokens=FLAGS.micro_batch_tokens, logprob_chunk=FLAGS.chunk)
   state = trainer.init_state(params)
 
   def one(state):
@@ -105,7 +116,8 @@ def main(_):
          "first_step_s": round(compile_s, 3), "tokens_per_s": round(B * T / step_s, 1),
          "flops_per_step": flops, "flops_per_s": round(flops / step_s, 1),
          "matmul_peak_flops_per_s": round(peak, 1), "flops_ratio": round(flops / step_s / peak, 4),
-         "devices": jax.device_count(), "backend": jax.default_backend()}
+         "micro_batches": trainer.num_micro_batches(B, T), "devices": FLAGS.devices, "tcmalloc": using_tcmalloc(),
+         "backend": jax.default_backend()}
   print(json.dumps(out))
 
 

@@ -24,6 +24,8 @@ PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar on the conso
 
 def main(argv):
   del argv
+  from rlax.allocator import reexec_with_tcmalloc
+  reexec_with_tcmalloc()
   import jax  # after flags: the CPU device count must be set before the first JAX operation
   jax.config.update("jax_num_cpu_devices", CPU_DEVICES.value)
   from rlax.multihost import maybe_init_pathways

@@ -120,7 +120,8 @@ class Controller:
   def _build_trainer(self, mesh) -> Trainer:
     c = self.c
     return Trainer(self.model_cfg, self.algo, builders.optimizer(c, c.controller.steps), mesh, group_size=self.G,
-                   micro_batches=c.optimizer.micro_batches, temperature=c.rollout.temperature)
+                   micro_batches=c.optimizer.micro_batches, micro_batch_tokens=c.optimizer.micro_batch_tokens,
+                   temperature=c.rollout.temperature)
 
   def _build_ps(self, mesh) -> ParameterServer:
     ps = self.c.param_server

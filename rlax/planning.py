@@ -181,7 +181,7 @@ def trainer_program(c, topo: Topology, cfg: M.ModelConfig, chip: Chip):
   r = c.rollout
   trainer = Trainer(cfg, builders.algorithm(c), builders.optimizer(c, c.controller.steps), topo.trainer_mesh,
                     group_size=r.samples_per_prompt, micro_batches=c.optimizer.micro_batches,
-                    temperature=r.temperature)
+                    micro_batch_tokens=c.optimizer.micro_batch_tokens, temperature=r.temperature)
   rows = r.prompts_per_step * r.samples_per_prompt
   if rows % c.optimizer.micro_batches:
     raise ValueError(f"{rows} rollout rows do not split into optimizer.micro_batches={c.optimizer.micro_batches}")

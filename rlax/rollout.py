@@ -75,7 +75,8 @@ def pack(out: SampleOutput, rewards: np.ndarray, prompt_len: int) -> RolloutBatc
   return RolloutBatch(tokens=jnp.asarray(tokens), input_mask=jnp.asarray(input_mask),
                       loss_mask=jnp.asarray(response_loss_mask(input_mask, P)),
                       behaviour_logprobs=jnp.asarray(blp), rewards=jnp.asarray(rewards, jnp.float32),
-                      versions=jnp.asarray(row_version), group_ids=jnp.asarray(out.prompt_ids, jnp.int32))
+                      versions=jnp.asarray(row_version), group_ids=jnp.asarray(out.prompt_ids, jnp.int32),
+                      prompt_len=P)
 
 
 def empty_batch(batch: int, prompt_len: int, new_tokens: int) -> RolloutBatch:
@@ -84,7 +85,7 @@ def empty_batch(batch: int, prompt_len: int, new_tokens: int) -> RolloutBatch:
   z = lambda *s, d=np.float32: jnp.zeros(s, d)
   return RolloutBatch(tokens=z(batch, T, d=np.int32), input_mask=z(batch, T, d=bool), loss_mask=z(batch, T - 1),
                       behaviour_logprobs=z(batch, T - 1), rewards=z(batch), versions=z(batch, d=np.int32),
-                      group_ids=z(batch, d=np.int32))
+                      group_ids=z(batch, d=np.int32), prompt_len=prompt_len)
 
 
 def sft_target(record: Record, style: str) -> str:

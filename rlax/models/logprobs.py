@@ -58,12 +58,22 @@ def logprobs_from_hidden(h: Float[Array, "B T D"], w: Float[Array, "D V"], targe
 def token_logprobs(params, cfg: ModelConfig, tokens: Int[Array, "B T"], *,
                    input_mask: Optional[Bool[Array, "B T"]] = None,
                    positions: Optional[Int[Array, "B T"]] = None,
-                   temperature: float = 1.0, chunk: int = 256, with_entropy: bool = False):
+                   temperature: float = 1.0, chunk: int = 256, with_entropy: bool = False, start: int = 0):
   """Log-prob of each next token: out[b, t] = log p(tokens[b, t+1] | tokens[b, :t+1]).
 
   Returns [B, T-1] (and entropies [B, T-1] when `with_entropy`). Position t of
-  the output scores token t+1; mask it with input_mask[:, 1:].
+  the output scores token t+1; mask it with input_mask[:, 1:]. start > 0: only
+  positions t >= start are computed (the rest are 0), which skips the logits
+  and the last layer's MLP of a prompt that is never scored (start = prompt
+  length - 1 for an RL batch).
   """
-  h, _ = transformer.hidden_states(params, cfg, tokens, input_mask=input_mask, positions=positions)
-  return logprobs_from_hidden(h[:, :-1], transformer.lm_head(params, cfg), tokens[:, 1:],
-                              temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+  T = tokens.shape[1]
+  if not 0 <= start < T - 1:
+    raise ValueError(f"token_logprobs: start={start} must be in [0, {T - 1}) for {T} tokens")
+  h, _ = transformer.hidden_states(params, cfg, tokens, input_mask=input_mask, positions=positions, start=start)
+  out = logprobs_from_hidden(h[:, :-1], transformer.lm_head(params, cfg), tokens[:, start + 1:],
+                             temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+  if not start:
+    return out
+  pad = lambda x: jnp.pad(x, ((0, 0), (start, 0)))
+  return (pad(out[0]), pad(out[1])) if with_entropy else pad(out)

@@ -175,22 +175,27 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
   return y.reshape(*lead, *out)
 
 
-def _layer(cfg: ModelConfig, inv_freq, x, lp, positions, mask, kv_write):
-  """One block. kv_write(k, v) -> (keys, values) to attend over (identity without a cache)."""
+def _layer(cfg: ModelConfig, inv_freq, x, lp, positions, mask, kv_write, q_start: int = 0):
+  """One block. kv_write(k, v) -> (keys, values) to attend over (identity without a cache).
+
+  q_start > 0: every position gives keys and values, but only positions
+  q_start.. are queried and carried on (the output is x[:, q_start:]'s update).
+  """
   dt = cfg.jnp_dtype
   lp = jax.tree.map(lambda w: w.astype(dt), lp)
   h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
-  q, k, v = dense(h, lp["q"]), dense(h, lp["k"]), dense(h, lp["v"])
+  hq = h[:, q_start:] if q_start else h
+  q, k, v = dense(hq, lp["q"]), dense(h, lp["k"]), dense(h, lp["v"])
   if cfg.qkv_bias:
     q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
   if cfg.qk_norm:
     q = rms_norm(q, lp["q_norm"], cfg.norm_eps)
     k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
-  q = constrain(apply_rope(q, positions, inv_freq), ("batch", "act_seq", "act_heads", None))
+  q = constrain(apply_rope(q, positions[:, q_start:], inv_freq), ("batch", "act_seq", "act_heads", None))
   k = apply_rope(k, positions, inv_freq)
   keys, values = kv_write(k, v)
-  a = attention(q, keys, values, mask)
-  x = x + dense(a, lp["o"], n_in=2)
+  a = attention(q, keys, values, mask[:, q_start:])
+  x = x[:, q_start:] + dense(a, lp["o"], n_in=2)
   x = constrain(x, ("batch", "act_seq", "act_embed"))
   h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
   m = constrain(jax.nn.silu(dense(h, lp["gate"])) * dense(h, lp["up"]), ("batch", "act_seq", "act_mlp"))
@@ -198,34 +203,49 @@ def _layer(cfg: ModelConfig, inv_freq, x, lp, positions, mask, kv_write):
   return constrain(x, ("batch", "act_seq", "act_embed"))
 
 
-def _run_layers(cfg, params, x, body, carry_extra):
-  """Applies `body(x, layer_params, extra, l) -> (x, extra)` over layers, scanned or unrolled."""
+def _run_layers(cfg, params, x, body, carry_extra, last_body=None):
+  """Applies `body(x, layer_params, extra, l) -> (x, extra)` over layers, scanned or unrolled.
+
+  last_body, if given, replaces `body` for the last layer (applied outside the scan).
+  """
   layers = params["layers"]
+  n = cfg.n_layers - (last_body is not None)
   if cfg.remat:
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable, static_argnums=())
-  if cfg.scan_layers:
+    if last_body is not None:
+      last_body = jax.checkpoint(last_body, policy=jax.checkpoint_policies.nothing_saveable, static_argnums=())
+  if cfg.scan_layers and n > 0:
     def step(c, xs):
       lp, l = xs
       x, extra = body(c[0], lp, c[1], l)
       return (x, extra), None
-    (x, extra), _ = jax.lax.scan(step, (x, carry_extra), (layers, jnp.arange(cfg.n_layers)))
-    return x, extra
-  for l in range(cfg.n_layers):
-    x, carry_extra = body(x, jax.tree.map(lambda w: w[l], layers), carry_extra, l)
+    head = jax.tree.map(lambda w: w[:n], layers) if n < cfg.n_layers else layers
+    (x, carry_extra), _ = jax.lax.scan(step, (x, carry_extra), (head, jnp.arange(n)))
+  else:
+    for l in range(n):
+      x, carry_extra = body(x, jax.tree.map(lambda w: w[l], layers), carry_extra, l)
+  if last_body is not None:
+    l = cfg.n_layers - 1
+    x, carry_extra = last_body(x, jax.tree.map(lambda w: w[l], layers), carry_extra, l)
   return x, carry_extra
 
 
 def hidden_states(params: Params, cfg: ModelConfig, tokens: Int[Array, "B T"], *,
                   positions: Optional[Int[Array, "B T"]] = None,
                   input_mask: Optional[Bool[Array, "B T"]] = None,
-                  cache: Optional[KVCache] = None) -> tuple[Float[Array, "B T D"], Optional[KVCache]]:
+                  cache: Optional[KVCache] = None, start: int = 0
+                  ) -> tuple[Float[Array, "B T D"], Optional[KVCache]]:
   """Final-normed hidden states, and the updated cache when one is given.
 
   Without a cache, token t attends to tokens s ≤ t with input_mask[s]. With a
   cache, the T tokens are written at slots [index, index+T) and attend to every
-  valid slot up to their own.
+  valid slot up to their own. start > 0 (no cache): only positions start.. are
+  returned ([B, T-start, D]); the last layer then skips the query, output and
+  MLP work of the earlier positions, which only serve as its keys and values.
   """
   B, T = tokens.shape
+  if not 0 <= start < T or (start and cache is not None):
+    raise ValueError(f"hidden_states: start={start} must be in [0, {T}) and 0 with a cache")
   if input_mask is None:
     input_mask = jnp.ones((B, T), bool)
   if positions is None:
@@ -240,10 +260,11 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: Int[Array, "B T"], *
     causal = jnp.tril(jnp.ones((T, T), bool))
     mask = causal[None] & input_mask[:, None, :]
 
-    def body(x, lp, extra, l):
-      return _layer(cfg, inv_freq, x, lp, positions, mask, lambda k, v: (k, v)), extra
+    def body(x, lp, extra, l, q_start=0):
+      return _layer(cfg, inv_freq, x, lp, positions, mask, lambda k, v: (k, v), q_start), extra
 
-    x, _ = _run_layers(cfg, params, x, body, ())
+    last = functools.partial(body, q_start=start) if start else None
+    x, _ = _run_layers(cfg, params, x, body, (), last)
     new_cache = None
   else:
     S = cache.max_len

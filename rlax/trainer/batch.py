@@ -31,7 +31,10 @@ class RolloutBatch:
   temperature); ref_logprobs [B,T-1] or None (fill with Trainer.ref_logprobs);
   rewards [B] f32; advantages [B] or [B,T-1] or None (None: the trainer computes
   them from rewards with the algorithm's estimator); versions [B] int32 (weight
-  version that sampled each row); group_ids [B] int32 (prompt id of each row).
+  version that sampled each row); group_ids [B] int32 (prompt id of each row);
+  prompt_len (static): P when the first P slots of every row are prompt, so
+  that loss_mask[:, :P-1] is 0 and the trainer skips the logits and last-layer
+  MLP there (0: unknown, score every position).
   """
   tokens: jax.Array
   input_mask: jax.Array
@@ -42,6 +45,7 @@ class RolloutBatch:
   group_ids: jax.Array
   ref_logprobs: Optional[jax.Array] = None
   advantages: Optional[jax.Array] = None
+  prompt_len: int = flax.struct.field(pytree_node=False, default=0)
 
   @property
   def batch_size(self) -> int:
@@ -67,6 +71,10 @@ class RolloutBatch:
     if self.advantages is not None and tuple(self.advantages.shape) not in ((B,), (B, T - 1)):
       raise ValueError(f"RolloutBatch.advantages has shape {self.advantages.shape}, expected {(B,)} or "
                        f"{(B, T - 1)}")
+    if not 0 <= self.prompt_len < T:
+      raise ValueError(f"RolloutBatch.prompt_len={self.prompt_len} must be in [0, {T}) for tokens {(B, T)}")
+    if self.prompt_len > 1 and np.any(np.asarray(self.loss_mask[:, :self.prompt_len - 1])):
+      raise ValueError(f"RolloutBatch.loss_mask scores a position before prompt_len={self.prompt_len}")
     if group_size is not None and (group_size < 1 or B % group_size):
       raise ValueError(f"batch of {B} rows is not a whole number of groups of group_size={group_size}")
     return self

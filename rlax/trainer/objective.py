@@ -50,17 +50,18 @@ def loss_inputs(algo: A.AlgorithmConfig, batch: RolloutBatch, group_size: int) -
 
 
 def rl_loss(params, model_cfg: M.ModelConfig, algo: A.AlgorithmConfig, mb: LossInputs, *, num_tokens, num_seqs,
-            num_rows: int, chunk: int = 256, temperature: float = 1.0) -> tuple[jax.Array, dict]:
+            num_rows: int, chunk: int = 256, temperature: float = 1.0, start: int = 0) -> tuple[jax.Array, dict]:
   """Loss of one micro-batch, normalized by full-batch denominators, and its metric sums.
 
   Per token: policy loss (x detached IS weight) + kl_coef * KL + entropy bonus,
   reduced with `algo.loss_agg`. The "old" policy is the current log-probs,
   detached (exact for one update per batch), or the sampler's when
   algo.old_policy == "behaviour". Metrics are sums / extremes over this
-  micro-batch; the trainer reduces them over micro-batches.
+  micro-batch; the trainer reduces them over micro-batches. Positions before
+  `start` are not computed (their loss_mask must be 0).
   """
   lp, ent = M.token_logprobs(params, model_cfg, mb.tokens, input_mask=mb.input_mask, chunk=chunk,
-                             temperature=temperature, with_entropy=True)
+                             temperature=temperature, with_entropy=True, start=start)
   m = mb.loss_mask
   behaviour = mb.behaviour_logprobs
   old = jax.lax.stop_gradient(lp) if algo.old_policy == "recompute" else behaviour

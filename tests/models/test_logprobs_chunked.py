@@ -101,3 +101,26 @@ def test_never_builds_full_logits():
   # The checker does see full logits when they exist.
   g = lambda p: jnp.sum(naive(p, CFG, tokens)[0])
   assert _big_vocab_intermediates(jax.make_jaxpr(g)(params).jaxpr, limit)
+
+
+@pytest.mark.parametrize("scan, remat", [(False, False), (True, True)])
+def test_start_skips_the_prompt_exactly(scan, remat):
+  # start > 0 runs the last layer's queries/MLP and the logits only from `start` on: same values and
+  # gradients there (left padding included), zeros before.
+  cfg = M.ModelConfig(96, 32, 3, 4, 2, 8, 64, arch="llama", scan_layers=scan, remat=remat)
+  params = U.scaled_params(cfg, seed=8)
+  tokens = jnp.asarray(U.random_tokens(B, T, seed=9))
+  mask = jnp.arange(T)[None] >= jnp.asarray([[0], [3], [6]])
+  s = 9
+  full_lp, full_ent = M.token_logprobs(params, cfg, tokens, input_mask=mask, chunk=4, with_entropy=True)
+  lp, ent = M.token_logprobs(params, cfg, tokens, input_mask=mask, chunk=4, with_entropy=True, start=s)
+  assert lp.shape == ent.shape == (B, T - 1)
+  np.testing.assert_allclose(lp[:, s:], full_lp[:, s:], atol=1e-6)
+  np.testing.assert_allclose(ent[:, s:], full_ent[:, s:], atol=1e-6)
+  assert not np.any(np.asarray(lp[:, :s])) and not np.any(np.asarray(ent[:, :s]))
+  w = jnp.asarray(np.random.default_rng(10).normal(size=(B, T - 1)), jnp.float32).at[:, :s].set(0.0)
+  grad = lambda start: jax.grad(lambda p: jnp.sum(w * M.token_logprobs(p, cfg, tokens, input_mask=mask,
+                                                                        start=start)))(params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), grad(s), grad(0))
+  with pytest.raises(ValueError, match="start=24 must be in"):
+    M.token_logprobs(params, cfg, tokens, start=T - 1)

@@ -8,7 +8,7 @@ import pytest
 from rlax import algorithms as A
 from rlax import models as M
 from rlax.trainer import (OptimizerConfig, Trainer, accumulate_gradients, loss_inputs, rl_loss)
-from trainer_testlib import CFG, G, host, logprobs, make_batch, sft_batch
+from trainer_testlib import B, CFG, G, PROMPT, T, host, logprobs, make_batch, sft_batch
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,30 @@ def test_micro_batches_equal_one_big_batch(params, batch):
   _, m2 = _run(Trainer(CFG, algo, group_size=G, micro_batches=2), params, batch)
   for k in ("loss", "kl", "entropy", "grad_norm", "clip_frac", "ratio_mean", "tokens"):
     np.testing.assert_allclose(m2[0][k], m1[0][k], rtol=1e-4, atol=1e-7, err_msg=k)
+
+
+def test_prompt_len_and_micro_batch_tokens_do_not_change_the_step(params, batch):
+  # prompt_len lets the step skip the unscored prompt positions; micro_batch_tokens picks the fewest
+  # micro-batches under a per-device token budget. Neither changes the update.
+  algo = A.get_algorithm("grpo", kl_coef=0.04)
+  opt = OptimizerConfig(lr=1e-2)
+  base = Trainer(CFG, algo, opt, group_size=G)
+  s1, m1 = _run(base, params, batch)
+  fast = Trainer(CFG, algo, opt, group_size=G, micro_batch_tokens=2 * T)
+  assert fast.num_micro_batches(B, T) == 4 and base.num_micro_batches(B, T) == 1
+  assert Trainer(CFG, algo, group_size=G, micro_batch_tokens=1).num_micro_batches(B, T) == B
+  pb = batch.replace(prompt_len=PROMPT)
+  np.testing.assert_allclose(fast.ref_logprobs(params, pb)[:, PROMPT - 1:], pb.behaviour_logprobs[:, PROMPT - 1:],
+                             atol=1e-5)
+  s2, m2 = _run(fast, params, pb)
+  for k in ("loss", "kl", "entropy", "grad_norm", "ratio_mean", "logp_diff_max", "tokens"):
+    np.testing.assert_allclose(m2[0][k], m1[0][k], rtol=1e-4, atol=1e-6, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), host(s2.params),
+               host(s1.params))
+  mesh = M.make_mesh(jax.devices()[:2], data=2, fsdp=1)
+  assert Trainer(CFG, algo, opt, mesh, group_size=G, micro_batch_tokens=2 * T).num_micro_batches(B, T) == 2
+  with pytest.raises(ValueError, match="scores a position before prompt_len=6"):
+    batch.replace(prompt_len=PROMPT + 1).check()
 
 
 def test_zero_staleness_ratio_is_one_and_gradient_is_policy_gradient(params, batch):

@@ -1,0 +1,52 @@
+"""Runs the process under tcmalloc when the system has it (`apt-get install libtcmalloc-minimal4`).
+
+XLA:CPU allocates a program's temporaries afresh on every run. glibc serves
+blocks over its mmap threshold (at most 32 MB) with fresh mmaps and unmaps them
+on free, so every train step page-faults its gigabyte of activations back in;
+tcmalloc keeps freed pages. On the W2 step that is ~15% of the step time.
+Entry points call `reexec_with_tcmalloc()` before any JAX work; RLAX_TCMALLOC=0
+turns it off. (JAX's TPU VM images preload tcmalloc for the same reason.)
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import sys
+from typing import Optional
+
+from absl import logging
+
+_ENV = "RLAX_TCMALLOC"
+
+
+def find_tcmalloc() -> Optional[str]:
+  """The soname of an installed tcmalloc, or None."""
+  for name in ("tcmalloc_minimal", "tcmalloc"):
+    lib = ctypes.util.find_library(name)
+    if lib:
+      return lib
+  return None
+
+
+def reexec_with_tcmalloc() -> None:
+  """Re-executes this process with tcmalloc preloaded, unless off, absent, or already loaded.
+
+  Call it first thing in main(): the process restarts from scratch with the same
+  command line, so nothing done before the call survives.
+  """
+  if os.environ.get(_ENV, "1") == "0" or "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
+    return
+  lib = find_tcmalloc()
+  if lib is None or not sys.platform.startswith("linux"):
+    return
+  env = dict(os.environ, LD_PRELOAD=f"{lib} {os.environ.get('LD_PRELOAD', '')}".strip(), **{_ENV: "1"})
+  logging.info("re-executing under %s (%s=0 turns this off)", lib, _ENV)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execve(sys.executable, list(sys.orig_argv), env)
+
+
+def using_tcmalloc() -> bool:
+  """Whether tcmalloc is preloaded in this process."""
+  return "tcmalloc" in os.environ.get("LD_PRELOAD", "")
