@@ -143,6 +143,14 @@ class Sampler:
     return NamedSharding(self.mesh, M.spec_for(logical, (self.batch_size,) + (1,) * (ndim - 1),
                                                dict(self.mesh.shape)))
 
+  def _row_shards(self) -> int:
+    """How many ways the batch rows are split over the mesh."""
+    if self.mesh is None:
+      return 1
+    axes = self._batch_spec(1).spec[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return int(np.prod([self.mesh.shape[a] for a in axes], dtype=np.int64))
+
   def _check_memory(self, budget: Optional[int]) -> dict[str, int]:
     """Per-device bytes of params + KV cache + the largest transient cache, against the budget.
 
@@ -236,6 +244,8 @@ class Sampler:
     if not fits or -(-fits[0] // G) * G > self.batch_size:
       raise ValueError(f"generate: {n} prompts x {G} samples = {rows} rows exceed batch_size {self.batch_size}")
     n_pad = -(-fits[0] // G)
+    shards = self._row_shards()
+    n_pad = -(-n_pad // shards) * shards  # the per-prompt prefill rows are sharded like the batch
     toks = np.concatenate([toks, np.full((n_pad - n, toks.shape[1]), self.pad_id, np.int32)])
     valid = np.concatenate([valid, np.zeros((n_pad - n, toks.shape[1]), bool)])
     ids = np.concatenate([ids, np.zeros(n_pad - n, np.int64)]).astype(np.uint32)

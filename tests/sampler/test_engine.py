@@ -192,6 +192,11 @@ def test_submesh_matches_single_device(sm):
   np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(single.logprobs), atol=1e-5)
   # Per device: batch split over data=2, KV heads over tensor=2.
   assert meshed.memory["cache"] * 4 == sm.memory["cache"]
+  # One prompt x G rows fills one of the two data shards' prefill rows: it is padded, not refused.
+  one = meshed.generate(PROMPTS[:1], samples_per_prompt=8, strategy=S.Greedy(), seed=2)
+  np.testing.assert_array_equal(np.asarray(one.tokens),
+                                np.asarray(sm.generate(PROMPTS[:1], samples_per_prompt=8, strategy=S.Greedy(),
+                                                       seed=2).tokens))
 
 
 def test_memory_budget_and_bad_requests(sm):
