@@ -26,6 +26,8 @@ flags.DEFINE_integer("iters", 6, "timed iterations")
 flags.DEFINE_integer("warmup", 2, "untimed first iterations (compilation)")
 flags.DEFINE_integer("max_staleness", 0, "k: 0 = synchronous on-policy, 1 = one-step pipelined")
 flags.DEFINE_integer("cpu_devices", 2, "fake CPU devices (half trainer, half sampler)")
+flags.DEFINE_boolean("colocated", False, "trainer and sampler time-share all --cpu_devices (data-parallel) "
+                     "instead of half each")
 flags.DEFINE_integer("micro_batch_tokens", 4096, "optimizer.micro_batch_tokens (per-device token budget of a "
                      "micro-batch; 0: one micro-batch)")
 FLAGS = flags.FLAGS
@@ -63,8 +65,11 @@ def main(argv):
   c = base.get_config()
   c.workdir = tempfile.mkdtemp(prefix="rlax_w3_")
   c.model.overrides = workload.model_overrides()
-  half = FLAGS.cpu_devices // 2
-  c.topology.update(slice_size=half, trainer_slices=1, sampler_slices=1)
+  if FLAGS.colocated:
+    c.topology.update(slice_size=FLAGS.cpu_devices, trainer_slices=1, sampler_slices=1, colocated=True,
+                      trainer_mesh=dict(data=-1, fsdp=1, tensor=1))
+  else:
+    c.topology.update(slice_size=FLAGS.cpu_devices // 2, trainer_slices=1, sampler_slices=1)
   c.algorithm.update(name="grpo", kl_coef=0.04, kl_estimator="k3")
   c.optimizer.update(lr=1e-5, micro_batch_tokens=FLAGS.micro_batch_tokens)
   c.rollout.update(prompts_per_step=FLAGS.prompts, samples_per_prompt=FLAGS.samples,
@@ -83,7 +88,7 @@ def main(argv):
   out = {"iter_s": med("step_s"), "gen_s": med("gen_s"), "reward_s": med("reward_s"), "train_s": med("train_s"),
          "sync_s": med("sync_total_s"), "trainer_idle_s": med("trainer_idle_s"),
          "sampler_idle_s": med("sampler_idle_s"), "response_len": med("response_len"),
-         "iters": len(rows), "max_staleness": FLAGS.max_staleness, "devices": FLAGS.cpu_devices,
+         "iters": len(rows), "max_staleness": FLAGS.max_staleness, "devices": FLAGS.cpu_devices, "colocated": FLAGS.colocated,
          "tcmalloc": using_tcmalloc()}
   for r in rows:
     print(f"iter {r['step']}: {r['step_s']:.3f}s (gen {r['gen_s']:.3f} train {r['train_s']:.3f} "

@@ -10,6 +10,9 @@ reports the step's achieved FLOP/s, counting matmul FLOPs analytically:
                                                q,k,v,o,gate,up,down of every layer + lm_head; attention
                                                scores and values over all T positions, as computed)
   flops = 4 * F_tok * B * T                    1x reference forward + 3x policy forward/backward
+minus what the step skips: the last layer's q/o/MLP and the logits of the prompt positions before
+P-1, which no loss term reads (RolloutBatch.prompt_len; `step_flops` has the exact count).
+Micro-batches (--micro_batch_tokens) and tcmalloc (rlax.allocator) are on by default.
 The last output line is one JSON object.
 """
 
@@ -53,13 +56,20 @@ def matmul_flops_per_s(n: int, reps: int = 7) -> float:
   return 2 * n ** 3 / statistics.median(times)
 
 
-def step_flops(cfg: M.ModelConfig, batch: int, seq: int) -> float:
-  """Analytic matmul FLOPs of ref forward + policy forward/backward (formula in the module doc)."""
+def step_flops(cfg: M.ModelConfig, batch: int, seq: int, prompt_len: int = 0) -> float:
+  """Analytic matmul FLOPs of ref forward + policy forward/backward (formula in the module doc).
+
+  With prompt_len P the step computes the last layer's queries, output projection and MLP, and the
+  logits, only from position s = P-1 on; the count follows what is computed.
+  """
   d, h, k, dh, f, v, l = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size,
                           cfg.n_layers)
-  n_mm = l * (2 * d * h * dh + 2 * d * k * dh + 3 * d * f) + d * v
-  per_tok = 2 * n_mm + 4 * l * seq * h * dh
-  return 4.0 * per_tok * batch * seq
+  s = max(prompt_len - 1, 0)
+  q_rows = seq - s
+  layer = lambda rows: rows * 2 * (2 * d * h * dh + 2 * d * k * dh + 3 * d * f) + 4 * rows * seq * h * dh
+  last = seq * 2 * (2 * d * k * dh) + q_rows * 2 * (2 * d * h * dh + 3 * d * f) + 4 * q_rows * seq * h * dh
+  fwd = (l - 1) * layer(seq) + last + 2 * d * v * (seq - 1 - s)
+  return 4.0 * fwd * batch
 
 
 def make_batch(cfg, params, prompts, prompt_len, samples, new_tokens):
@@ -111,7 +121,7 @@ def main(_):
     print(f"step {len(times)}: {times[-1]:.3f} s  loss {float(metrics['loss']):.5f}  kl {float(metrics['kl']):.2e}")
   peak = matmul_flops_per_s(FLAGS.matmul_n)
   step_s = statistics.median(times)
-  flops = step_flops(cfg, B, T)
+  flops = step_flops(cfg, B, T, FLAGS.prompt_len)
   out = {"workload": "w2", "params": cfg.num_params(), "batch": B, "seq": T, "step_s": round(step_s, 4),
          "first_step_s": round(compile_s, 3), "tokens_per_s": round(B * T / step_s, 1),
          "flops_per_step": flops, "flops_per_s": round(flops / step_s, 1),
