@@ -43,7 +43,9 @@ def test_sharded_step_equals_single_device(params, batch):
   assert sharded.opt_state[1][0].mu["layers"]["gate"].sharding.spec == spec
   for k in ("loss", "kl", "entropy", "grad_norm", "tokens"):
     np.testing.assert_allclose(m2[0][k], m1[0][k], rtol=1e-4, atol=1e-7, err_msg=k)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), host(sharded.params),
+  # AdamW's first step moves each weight by ~lr * g / |g|, so a near-zero gradient entry turns float
+  # reassociation noise into up to ~1e-4 * lr of parameter difference: compare at 1e-3 * lr.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3 * opt.lr), host(sharded.params),
                host(single.params))
   ref = sharded_trainer.ref_logprobs(params, batch)
   np.testing.assert_allclose(ref, batch.behaviour_logprobs, rtol=1e-5, atol=1e-5)
@@ -83,8 +85,8 @@ def test_prompt_len_and_micro_batch_tokens_do_not_change_the_step(params, batch)
   s2, m2 = _run(fast, params, pb)
   for k in ("loss", "kl", "entropy", "grad_norm", "ratio_mean", "logp_diff_max", "tokens"):
     np.testing.assert_allclose(m2[0][k], m1[0][k], rtol=1e-4, atol=1e-6, err_msg=k)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), host(s2.params),
-               host(s1.params))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3 * opt.lr), host(s2.params),
+               host(s1.params))  # tolerance: see test_sharded_step_equals_single_device
   mesh = M.make_mesh(jax.devices()[:2], data=2, fsdp=1)
   assert Trainer(CFG, algo, opt, mesh, group_size=G, micro_batch_tokens=2 * T).num_micro_batches(B, T) == 2
   with pytest.raises(ValueError, match="scores a position before prompt_len=6"):
