@@ -11,6 +11,10 @@ import optax
 
 from rlax.models import constrain
 
+# Up to this many micro-batches are unrolled: XLA can then overlap one micro-batch's tail with the
+# next one's head (~2.5% of a W2 step on CPU); more stay a scan to bound compile time.
+MAX_UNROLLED_MICRO_BATCHES = 4
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -58,7 +62,8 @@ def accumulate_gradients(loss_fn: Callable[[Any, Any], tuple[jax.Array, dict]], 
     return (jax.tree.map(jnp.add, acc_g, grads), acc_l + loss), metrics
 
   zeros = jax.tree.map(jnp.zeros_like, params)
-  (grads, loss), metrics = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), mbs)
+  (grads, loss), metrics = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), mbs,
+                                         unroll=micro_batches <= MAX_UNROLLED_MICRO_BATCHES)
   return grads, loss, metrics
 
 

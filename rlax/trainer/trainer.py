@@ -24,7 +24,8 @@ from rlax import models as M
 from rlax.trainer import objective as rl
 from rlax.trainer.batch import RolloutBatch, SFTBatch
 from rlax.trainer.optimizer import OptimizerConfig, make_optimizer, make_schedule
-from rlax.trainer.state import TrainState, accumulate_gradients, apply_gradients, split_micro_batches
+from rlax.trainer.state import (MAX_UNROLLED_MICRO_BATCHES, TrainState, accumulate_gradients, apply_gradients,
+                                split_micro_batches)
 
 
 def sft_loss(params, model_cfg: M.ModelConfig, batch: SFTBatch, *, num_tokens, chunk: int = 256
@@ -137,7 +138,11 @@ class Trainer:
     n = self.num_micro_batches(*tokens.shape)
     if n == 1:
       return one((tokens, input_mask))
-    out = jax.lax.map(one, split_micro_batches((tokens, input_mask), n))  # [n, B/n, T-1]
+    mbs = split_micro_batches((tokens, input_mask), n)
+    if n <= MAX_UNROLLED_MICRO_BATCHES:
+      out = jnp.stack([one(jax.tree.map(lambda x: x[i], mbs)) for i in range(n)])
+    else:
+      out = jax.lax.map(one, mbs)  # [n, B/n, T-1]
     return jnp.moveaxis(out, 0, 1).reshape(tokens.shape[0], -1)
 
   def _rl_step(self, state: TrainState, batch: RolloutBatch):

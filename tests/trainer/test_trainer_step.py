@@ -82,11 +82,13 @@ def test_prompt_len_and_micro_batch_tokens_do_not_change_the_step(params, batch)
   pb = batch.replace(prompt_len=PROMPT)
   np.testing.assert_allclose(fast.ref_logprobs(params, pb)[:, PROMPT - 1:], pb.behaviour_logprobs[:, PROMPT - 1:],
                              atol=1e-5)
-  s2, m2 = _run(fast, params, pb)
-  for k in ("loss", "kl", "entropy", "grad_norm", "ratio_mean", "logp_diff_max", "tokens"):
-    np.testing.assert_allclose(m2[0][k], m1[0][k], rtol=1e-4, atol=1e-6, err_msg=k)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3 * opt.lr), host(s2.params),
-               host(s1.params))  # tolerance: see test_sharded_step_equals_single_device
+  # 4 micro-batches run unrolled, 8 (one row each) as a scan.
+  for trainer in (fast, Trainer(CFG, algo, opt, group_size=G, micro_batch_tokens=1)):
+    s2, m2 = _run(trainer, params, pb)
+    for k in ("loss", "kl", "entropy", "grad_norm", "ratio_mean", "logp_diff_max", "tokens"):
+      np.testing.assert_allclose(m2[0][k], m1[0][k], rtol=1e-4, atol=1e-6, err_msg=k)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3 * opt.lr), host(s2.params),
+                 host(s1.params))  # tolerance: see test_sharded_step_equals_single_device
   mesh = M.make_mesh(jax.devices()[:2], data=2, fsdp=1)
   assert Trainer(CFG, algo, opt, mesh, group_size=G, micro_batch_tokens=2 * T).num_micro_batches(B, T) == 2
   with pytest.raises(ValueError, match="scores a position before prompt_len=6"):
