@@ -88,8 +88,8 @@ def main(argv):
   out = {"iter_s": med("step_s"), "gen_s": med("gen_s"), "reward_s": med("reward_s"), "train_s": med("train_s"),
          "sync_s": med("sync_total_s"), "trainer_idle_s": med("trainer_idle_s"),
          "sampler_idle_s": med("sampler_idle_s"), "response_len": med("response_len"),
-         "iters": len(rows), "max_staleness": FLAGS.max_staleness, "devices": FLAGS.cpu_devices, "colocated": FLAGS.colocated,
-         "tcmalloc": using_tcmalloc()}
+         "iters": len(rows), "max_staleness": FLAGS.max_staleness, "devices": FLAGS.cpu_devices,
+         "colocated": FLAGS.colocated, "tcmalloc": using_tcmalloc()}
   for r in rows:
     print(f"iter {r['step']}: {r['step_s']:.3f}s (gen {r['gen_s']:.3f} train {r['train_s']:.3f} "
           f"sync {r['sync_total_s']:.3f} trainer idle {r['trainer_idle_s']:.3f})")

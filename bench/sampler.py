@@ -100,8 +100,8 @@ def main(_):
 
   total, tm = median_time(run_rlax, FLAGS.reps)
   result = dict(tokens_per_s=n_tok / total, total_s=total, prefill_s=tm["prefill_s"], decode_s=tm["decode_s"],
-                rows=rows, new_tokens=n_new, devices=FLAGS.devices, compiles=dict(sampler.trace_counts), jax=jax.__version__,
-                tcmalloc=using_tcmalloc())
+                rows=rows, new_tokens=n_new, devices=FLAGS.devices, compiles=dict(sampler.trace_counts),
+                jax=jax.__version__, tcmalloc=using_tcmalloc())
   print(f"rlax: {total:.3f} s ({result['tokens_per_s']:,.0f} tok/s), prefill {tm['prefill_s'] * 1e3:.1f} ms, "
         f"decode {tm['decode_s'] * 1e3:.1f} ms ({tm['decode_s'] / max(n_new - 1, 1) * 1e3:.2f} ms/token)")
   if FLAGS.baseline:

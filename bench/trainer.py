@@ -96,7 +96,7 @@ def main(_):
           if FLAGS.devices > 1 else None)
   cfg = workload.model_config()
   params = M.create_params(cfg, seed=0)
-  ref_params = M.create_params(cfg, mesh, seed=0) if mesh is not None else M.create_params(cfg, seed=0)
+  ref_params = M.create_params(cfg, mesh, seed=0)
   batch = make_batch(cfg, params, FLAGS.prompts, FLAGS.prompt_len, FLAGS.samples, FLAGS.new_tokens)
   B, T = batch.tokens.shape
   trainer = Trainer(cfg, get_algorithm("grpo", kl_coef=0.04, kl_estimator="k3"), OptimizerConfig(lr=1e-5),

@@ -40,7 +40,7 @@ def reexec_with_tcmalloc() -> None:
   lib = find_tcmalloc()
   if lib is None or not sys.platform.startswith("linux"):
     return
-  env = dict(os.environ, LD_PRELOAD=f"{lib} {os.environ.get('LD_PRELOAD', '')}".strip(), **{_ENV: "1"})
+  env = dict(os.environ, LD_PRELOAD=f"{lib} {os.environ.get('LD_PRELOAD', '')}".strip())
   logging.info("re-executing under %s (%s=0 turns this off)", lib, _ENV)
   sys.stdout.flush()
   sys.stderr.flush()

@@ -138,11 +138,8 @@ class Trainer:
     n = self.num_micro_batches(*tokens.shape)
     if n == 1:
       return one((tokens, input_mask))
-    mbs = split_micro_batches((tokens, input_mask), n)
-    if n <= MAX_UNROLLED_MICRO_BATCHES:
-      out = jnp.stack([one(jax.tree.map(lambda x: x[i], mbs)) for i in range(n)])
-    else:
-      out = jax.lax.map(one, mbs)  # [n, B/n, T-1]
+    _, out = jax.lax.scan(lambda c, mb: (c, one(mb)), None, split_micro_batches((tokens, input_mask), n),
+                          unroll=n <= MAX_UNROLLED_MICRO_BATCHES)  # [n, B/n, T-1]
     return jnp.moveaxis(out, 0, 1).reshape(tokens.shape[0], -1)
 
   def _rl_step(self, state: TrainState, batch: RolloutBatch):
