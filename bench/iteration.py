@@ -58,7 +58,7 @@ def main(argv):
   jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
   import numpy as np
   from configs import base
-  from rlax.controller import Controller
+  from rlax.runtime import Controller
   from rlax.data.records import Record
 
   n_iter = FLAGS.warmup + FLAGS.iters

@@ -5,7 +5,7 @@
 
 The algorithm's own defaults (clip ranges, aggregation, estimator) live in the
 registry (`rlax.algorithms`); the preset only names it and sets the runtime knobs
-its paper used.
+its paper used. Every preset here trains end to end (PPO needs a value model, not trained yet).
 """
 
 from configs import base
@@ -18,7 +18,6 @@ _RUNTIME = {
     "reinforce_pp": dict(kl_coef=0.0),
     "gspo": dict(kl_coef=0.0),
     "cispo": dict(kl_coef=0.0),
-    "ppo": dict(kl_coef=0.0),
 }
 
 

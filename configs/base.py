@@ -1,4 +1,4 @@
-"""Base rlax config: every field the runtime reads, with defaults.
+"""Base rlax config: every field the runtime reads, with defaults (typed and validated by rlax.config.load).
 
   python -m launch.main --config=configs/base.py --config.algorithm.name=dapo
 
@@ -6,9 +6,6 @@ Other configs start from `get_config()` here and override what differs.
 """
 
 import ml_collections
-
-ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "cispo", "ppo")
-
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -18,7 +15,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # Model: a preset name plus field overrides (rlax.models.config.ModelConfig).
   c.model = ml_collections.ConfigDict(dict(preset="w1", overrides={}))
-  c.init = ml_collections.ConfigDict(dict(hf_checkpoint="", sft_steps=0, sft_batch=64, sft_lr=1e-3))
+  c.init = ml_collections.ConfigDict(dict(sft_steps=0, sft_batch=64, sft_lr=1e-3))
 
   # Devices → slices → roles.
   c.topology = ml_collections.ConfigDict(dict(
@@ -54,8 +51,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       stale_policy="drop",       # or "importance_weight"
       push_every=1,              # trainer pushes weights every N steps
       queue_size=2,
-      log_every=1,
-      eval_every=0,
       dynamic_sampling=False,
   ))
 
@@ -66,7 +61,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(task="arithmetic", difficulty=1, n_train=4096, n_eval=128,
                                           eval_seed=12345, prompt_style="instruct", ops=""))
   c.reward = ml_collections.ConfigDict(dict(name="arithmetic", workers=4, timeout_s=5.0))
-  c.eval = ml_collections.ConfigDict(dict(n_prompts=128, n_samples=8, temperature=1.0))
+  c.eval = ml_collections.ConfigDict(dict(n_samples=8, temperature=1.0))  # on data.n_eval held-out prompts
   c.checkpoint = ml_collections.ConfigDict(dict(every_steps=50, every_seconds=600.0, keep=3,
                                                 grace_seconds=30.0))
   # Simulated slice preemption (rlax.failover): "slice:step,..." loses / restores a slice at a step boundary.

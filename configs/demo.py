@@ -40,12 +40,11 @@ def get_config(arg: str | None = None):
   c.data.n_train = 8192
   c.data.n_eval = 128
   c.reward.name = "digit_sort"
-  c.eval.n_prompts = 128
   c.eval.n_samples = 8
   c.checkpoint.every_steps = 20
   if arg == "smoke":
+    c.workdir = "runs/demo_smoke"
     c.init.sft_steps = 60
     c.controller.steps = 10
-    c.eval.n_prompts = 32
     c.data.n_eval = 32
   return c

@@ -1,44 +1,39 @@
-"""Config → objects: the one place that reads an ml_collections config and builds rlax parts.
+"""Typed run config + topology → the run's parts. Every part of the runtime is built here, once.
 
-Each builder validates what it reads and raises ValueError naming the config
-field, so a bad override fails before any device work starts.
+`components(run, topology)` builds what this process holds: the trainer where it owns the trainer mesh,
+the sampler where it owns the sampler mesh (one process, or Pathways: both), and the weights service over
+the transport that connects them. Failover rebuilds through the same function.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
-from rlax import algorithms as A
-from rlax import models as M
+from rlax import models
+from rlax import rewards
+from rlax.config import RunConfig
 from rlax.data import synthetic
+from rlax.data import tokenizer as tok_lib
+from rlax.data.pipeline import RecordIterator
 from rlax.data.records import Record
-from rlax.trainer.optimizer import OptimizerConfig
+from rlax.multihost import Channel, local_roles
+from rlax.rollout import packing
+from rlax.sampler import Sampler
+from rlax.sampler.strategies import SamplingMethod
+from rlax.topology import Topology
+from rlax.trainer import OptimizerConfig, Trainer
+from rlax.weights import CrossProcessTransport, DevicePutTransport, WeightsService
 
 
-def model_config(c) -> M.ModelConfig:
-  overrides = dict(c.model.overrides.to_dict() if hasattr(c.model.overrides, "to_dict") else c.model.overrides)
-  return M.preset(c.model.preset, **overrides)
+# -- data and rewards --------------------------------------------------------------------------------------
+def tokenizer(run: RunConfig):
+  del run  # the built-in tasks share the demo's character tokenizer
+  return tok_lib.load_demo_tokenizer()
 
 
-def algorithm(c) -> A.AlgorithmConfig:
-  overrides = dict(c.algorithm.overrides.to_dict() if hasattr(c.algorithm.overrides, "to_dict")
-                   else c.algorithm.overrides)
-  kw = dict(kl_coef=c.algorithm.kl_coef, kl_estimator=c.algorithm.kl_estimator,
-            entropy_coef=c.algorithm.entropy_coef)
-  kw.update(overrides)
-  return A.get_algorithm(c.algorithm.name, **kw)
-
-
-def optimizer(c, total_steps: int) -> OptimizerConfig:
-  o = c.optimizer
-  return OptimizerConfig(lr=o.lr, schedule=o.schedule, warmup_steps=o.warmup_steps,
-                         total_steps=total_steps if o.schedule == "cosine" else None,
-                         b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
-                         max_grad_norm=o.clip_norm if o.clip_norm else None)
-
-
-def _shape_records(records: list[Record], d) -> list[Record]:
+def _shape_records(records: list[Record], run: RunConfig) -> list[Record]:
+  d = run.data
   if d.ops:
     if d.task != "arithmetic":
       raise ValueError(f"data.ops={d.ops!r} applies to task 'arithmetic' only, not {d.task!r}")
@@ -47,61 +42,112 @@ def _shape_records(records: list[Record], d) -> list[Record]:
     if any("compact" not in r.metadata for r in records[:1]):
       raise ValueError(f"data.prompt_style='compact': task {d.task!r} has no compact prompt form")
     records = [dataclasses.replace(r, prompt=r.metadata["compact"]) for r in records]
-  elif d.prompt_style != "instruct":
-    raise ValueError(f"data.prompt_style={d.prompt_style!r}; expected 'instruct' or 'compact'")
   return records
 
 
-def datasets(c) -> tuple[list[Record], list[Record]]:
+def datasets(run: RunConfig) -> tuple[list[Record], list[Record]]:
   """Train and held-out eval records of the configured synthetic task.
 
-  The eval set (n_eval distinct prompts, drawn with data.eval_seed) comes first;
-  every training record with an eval prompt is removed, so pass@k is measured on
-  problems the policy never trained on.
+  The eval set (n_eval distinct prompts, drawn with data.eval_seed) comes first; every training record
+  with an eval prompt is removed, so pass@k is measured on problems the policy never trained on.
   """
-  d = c.data
+  d = run.data
   held, seen = [], set()
-  for r in _shape_records(synthetic.generate(d.task, d.n_eval * 8, difficulty=d.difficulty, seed=d.eval_seed), d):
+  for r in _shape_records(synthetic.generate(d.task, d.n_eval * 8, difficulty=d.difficulty, seed=d.eval_seed), run):
     if r.prompt not in seen and len(held) < d.n_eval:
       held.append(r)
       seen.add(r.prompt)
-  train = [r for r in _shape_records(synthetic.generate(d.task, d.n_train, difficulty=d.difficulty, seed=c.seed), d)
-           if r.prompt not in seen]
+  train = [r for r in _shape_records(synthetic.generate(d.task, d.n_train, difficulty=d.difficulty, seed=run.seed),
+                                     run) if r.prompt not in seen]
   if not train or not held:
     raise ValueError(f"data: {len(train)} train / {len(held)} held-out records after filtering; "
                      "widen data.ops, raise data.n_train or data.difficulty")
   return train, held
 
 
-def validate(c) -> None:
-  """Cross-field checks no single builder can make; raises ValueError with the offending fields."""
-  ctl, r = c.controller, c.rollout
-  if ctl.max_staleness < 0:
-    raise ValueError(f"controller.max_staleness={ctl.max_staleness} must be >= 0")
-  if ctl.push_every < 1:
-    raise ValueError(f"controller.push_every={ctl.push_every} must be >= 1")
-  if ctl.push_every > ctl.max_staleness + 1:
-    raise ValueError(f"controller.push_every={ctl.push_every} > max_staleness+1={ctl.max_staleness + 1}: "
-                     "the sampler would wait forever for fresh enough weights")
-  if c.deterministic and ctl.push_every != 1:
-    raise ValueError("deterministic=True needs controller.push_every=1 (a fixed staleness schedule)")
-  if c.deterministic and ctl.queue_size < ctl.max_staleness:
-    raise ValueError(f"deterministic=True needs controller.queue_size >= max_staleness={ctl.max_staleness} "
-                     "(checkpoints carry the rollouts generated ahead of the trainer)")
-  if c.deterministic and r.inflight_updates:
-    raise ValueError("deterministic=True is incompatible with rollout.inflight_updates=True")
-  if r.inflight_updates and not r.decode_chunk:
-    raise ValueError("rollout.inflight_updates=True needs rollout.decode_chunk > 0")
-  if r.samples_per_prompt < 1 or r.prompts_per_step < 1:
-    raise ValueError("rollout.samples_per_prompt and rollout.prompts_per_step must be >= 1")
-  group_algos = ("grpo", "dr_grpo", "dapo", "rloo", "gspo", "cispo")
-  if c.algorithm.name in group_algos and r.samples_per_prompt < 2:
-    raise ValueError(f"algorithm {c.algorithm.name!r} normalizes within groups: "
-                     f"rollout.samples_per_prompt must be >= 2, got {r.samples_per_prompt}")
-  if c.algorithm.name == "ppo":
-    raise ValueError("algorithm 'ppo' needs a value model, which this runtime does not train yet; "
-                     "use grpo, dr_grpo, dapo, rloo, reinforce_pp, gspo or cispo")
-  if r.temperature <= 0:
-    raise ValueError(f"rollout.temperature={r.temperature} must be > 0 for RL sampling")
-  model_config(c)
-  algorithm(c)
+def record_iterator(run: RunConfig, records: list[Record]) -> RecordIterator:
+  return RecordIterator(records, seed=run.seed)
+
+
+def reward_fn(run: RunConfig):
+  return rewards.get(run.reward.name)
+
+
+def verifier_pool(run: RunConfig) -> rewards.VerifierPool:
+  return rewards.VerifierPool(num_workers=run.reward.workers, timeout_s=run.reward.timeout_s)
+
+
+# -- models ------------------------------------------------------------------------------------------------
+def weights_dtype(run: RunConfig):
+  """The sampler holds its weights in the compute dtype; the push casts on the trainer side (fewer bytes)."""
+  return run.model.jnp_dtype
+
+
+def trainer(run: RunConfig, mesh) -> Trainer:
+  o, r = run.optimizer, run.rollout
+  return Trainer(run.model, run.algorithm, o.optimizer(run.controller.steps), mesh, group_size=r.samples_per_prompt,
+                 micro_batches=o.micro_batches, micro_batch_tokens=o.micro_batch_tokens, temperature=r.temperature)
+
+
+def sft_trainer(run: RunConfig, mesh) -> Trainer:
+  return Trainer(run.model, run.algorithm, OptimizerConfig(lr=run.init.sft_lr, warmup_steps=10), mesh, group_size=1)
+
+
+def sampler(run: RunConfig, mesh) -> Sampler:
+  r = run.rollout
+  return Sampler(run.model, mesh, max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
+                 batch_size=max(r.rows, run.eval.n_samples * 16), eos_id=tok_lib.EOS_ID, pad_id=tok_lib.PAD_ID,
+                 decode_chunk=r.decode_chunk or None)
+
+
+def sampling_method(run: RunConfig) -> SamplingMethod:
+  r = run.rollout
+  return packing.strategy(r.temperature, r.top_k, r.top_p)
+
+
+def eval_method(run: RunConfig) -> SamplingMethod:
+  return packing.strategy(run.eval.temperature)
+
+
+# -- the parts a process holds -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Components:
+  """What this process holds: trainer and/or sampler (None where another process holds it) and weights."""
+  topology: Topology
+  trainer: Optional[Trainer]
+  sampler: Optional[Sampler]
+  weights: WeightsService
+
+
+def weights_service(run: RunConfig, topology: Topology, channel: Optional[Channel] = None) -> WeightsService:
+  """The weights service between `topology`'s submeshes over the transport the process layout needs."""
+  shardings = models.param_shardings(run.model, topology.sampler_mesh)
+  has_trainer, has_sampler = local_roles(topology.trainer_mesh, topology.sampler_mesh)
+  if has_trainer and has_sampler:
+    ps = run.param_server
+    transport = DevicePutTransport(shardings, weights_dtype(run), mode=ps.bucket, bucket_bytes=ps.bucket_bytes)
+  else:
+    if channel is None:
+      raise ValueError("the trainer and sampler live in different processes: a Channel is needed")
+    shapes = models.init.abstract_params(run.model)
+    transport = CrossProcessTransport(topology.trainer_mesh, topology.sampler_mesh, shardings, weights_dtype(run),
+                                      shapes, channel)
+  # Deterministic mode hands batch s exactly version s - k: keep the k + 1 newest.
+  return WeightsService(transport, keep=run.controller.max_staleness + 1 if run.deterministic else 1)
+
+
+def components(run: RunConfig, topology: Topology, *, channel: Optional[Channel] = None,
+               reuse: Optional[Components] = None) -> Components:
+  """Builds this process's parts on `topology`; with `reuse`, parts whose mesh did not change are kept."""
+  has_trainer, has_sampler = local_roles(topology.trainer_mesh, topology.sampler_mesh)
+  keep = lambda role: reuse is not None and getattr(reuse.topology, f"{role}_mesh") == getattr(topology,
+                                                                                               f"{role}_mesh")
+  tr = (reuse.trainer if keep("trainer") else trainer(run, topology.trainer_mesh)) if has_trainer else None
+  sa = (reuse.sampler if keep("sampler") else sampler(run, topology.sampler_mesh)) if has_sampler else None
+  return Components(topology, tr, sa, weights_service(run, topology, channel))
+
+
+def fresh_params(run: RunConfig, mesh) -> Any:
+  """Random parameters initialized straight into their shardings on the trainer mesh."""
+  return models.create_params(run.model, mesh, seed=run.seed)
+

@@ -50,8 +50,12 @@ def _leaf_name(path) -> str:
 
 
 def abstract_like(tree: Any) -> Any:
-  """Restore target with the same shapes, dtypes and shardings as the arrays of `tree`."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+  """Restore target with the same shapes, dtypes and shardings as the arrays of `tree`.
+
+  numpy leaves stay numpy templates: orbax restores them as host arrays.
+  """
+  return jax.tree.map(lambda x: x if isinstance(x, np.ndarray) else
+                      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 class Checkpointer:

@@ -17,6 +17,7 @@ controller process and N processes started by `launch.multihost`. Needs equal de
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Optional
 
@@ -54,6 +55,63 @@ def barrier(name: str, timeout_s: float = 3600.0) -> None:
     return
   from jax._src import distributed  # the public API has no non-collective barrier in jax 0.10
   distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
+class Channel:
+  """Host-side messages between the processes of one job, over the coordination service's key-value store.
+
+  For what is not a device array or is small next to the weights: rollouts (numpy), version numbers, the
+  start position, evaluation results. Every key is written once per job attempt (a restarted job gets a
+  fresh coordinator, hence a fresh store). Byte values are split into `chunk_bytes` pieces.
+  """
+
+  def __init__(self, prefix: str = "rlax", timeout_s: float = 3600.0, chunk_bytes: int = 1 << 20):
+    from jax._src import distributed  # the public API exposes no key-value store in jax 0.10
+    self.client = distributed.global_state.client
+    if self.client is None:
+      raise RuntimeError("Channel needs a multi-process job (jax.distributed.initialize)")
+    self.prefix, self.timeout_ms, self.chunk = prefix, int(timeout_s * 1000), chunk_bytes
+
+  def set(self, key: str, value: str) -> None:
+    self.client.key_value_set(f"{self.prefix}/{key}", value)
+
+  def get(self, key: str) -> str:
+    """Blocks until `key` is set."""
+    return self.client.blocking_key_value_get(f"{self.prefix}/{key}", self.timeout_ms)
+
+  def set_json(self, key: str, value: Any) -> None:
+    self.set(key, json.dumps(value))
+
+  def get_json(self, key: str) -> Any:
+    return json.loads(self.get(key))
+
+  def set_bytes(self, key: str, data: bytes) -> None:
+    n = max(1, -(-len(data) // self.chunk))
+    for i in range(n):
+      self.client.key_value_set_bytes(f"{self.prefix}/{key}/{i}", data[i * self.chunk:(i + 1) * self.chunk])
+    self.set(f"{key}/n", str(n))  # last: a reader that sees the count finds every piece
+
+  def get_bytes(self, key: str) -> bytes:
+    n = int(self.get(f"{key}/n"))
+    return b"".join(self.client.blocking_key_value_get_bytes(f"{self.prefix}/{key}/{i}", self.timeout_ms)
+                    for i in range(n))
+
+
+def local_roles(trainer_mesh: Mesh, sampler_mesh: Mesh) -> tuple[bool, bool]:
+  """(holds the trainer, holds the sampler) for this process; each role's devices all in one process.
+
+  One process (or Pathways) holds both. A multi-process job without Pathways runs each role in the process
+  that owns all of its mesh's devices; a mesh split across processes is an error naming the role.
+  """
+  me = jax.process_index()
+  out = []
+  for role, mesh in (("trainer", trainer_mesh), ("sampler", sampler_mesh)):
+    owners = {d.process_index for d in mesh.devices.flat}
+    if len(owners) > 1:
+      raise ValueError(f"the {role} mesh spans processes {sorted(owners)}; without Pathways each role must "
+                       "live in one process (set topology.slice_size to the devices per process)")
+    out.append(me in owners)
+  return out[0], out[1]
 
 
 def maybe_init_pathways() -> bool:

@@ -42,7 +42,9 @@ class GroupBuffer:
   """Accumulates informative groups until a batch of exactly `target_groups` can be taken.
 
   Surplus groups carry over to the next batch (they are fresh enough: same policy version or one
-  newer, which the controller's staleness bound covers). Counters report what was dropped.
+  newer, which the controller's staleness bound covers) unless `clear()`ed. Tied groups are kept
+  aside as spares: `pop_batch(fill=True)` tops a short batch up with them (their advantage is 0,
+  so they are harmless) when the sampling budget ran out. Counters report what was dropped.
   """
 
   def __init__(self, target_groups: int, atol: float = 1e-6):
@@ -51,6 +53,7 @@ class GroupBuffer:
     self.target, self.atol = target_groups, atol
     self._groups: list[Any] = []
     self._rewards: list[np.ndarray] = []
+    self._spare: list[tuple[Any, np.ndarray]] = []
     self.dropped = 0
     self.seen = 0
 
@@ -66,6 +69,8 @@ class GroupBuffer:
       if k:
         self._groups.append(g)
         self._rewards.append(row)
+      else:
+        self._spare.append((g, row))
     logging.info("dynamic sampling: dropped %d of %d groups with tied rewards; %d/%d buffered",
                  dropped, len(groups), len(self._groups), self.target)
     return int(keep.sum())
@@ -77,8 +82,21 @@ class GroupBuffer:
   def ready(self) -> bool:
     return not self.needed()
 
-  def pop_batch(self) -> tuple[list[Any], np.ndarray]:
-    """Exactly `target_groups` groups (oldest first) and their [target, n] rewards."""
+  def clear(self) -> None:
+    """Forget buffered and spare groups (each batch then depends only on its own sampling rounds)."""
+    self._groups, self._rewards, self._spare = [], [], []
+
+  def pop_batch(self, fill: bool = False) -> tuple[list[Any], np.ndarray]:
+    """Exactly `target_groups` groups (oldest first) and their [target, n] rewards.
+
+    `fill`: a short batch is topped up with spare tied groups (an error if there are too few).
+    """
+    if fill and not self.ready():
+      n = min(self.needed(), len(self._spare))
+      for g, row in self._spare[:n]:
+        self._groups.append(g)
+        self._rewards.append(row)
+      self._spare = self._spare[n:]
     if not self.ready():
       raise ValueError(f"batch not ready: {len(self._groups)} of {self.target} groups buffered")
     groups, self._groups = self._groups[:self.target], self._groups[self.target:]

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from rlax.controller import Controller
+from rlax.runtime import Controller
 from tiny import tiny_config
 
 
@@ -25,7 +25,7 @@ def test_synchronous_k0_versions_and_weight_sync(tmp_path):
   assert [r["staleness"] for r in rows] == [0.0] * 4  # every sample came from the trainer's own version
   assert out["staleness_hist"] == {"0": 4}
   # After the last push the sampler holds exactly the trainer's weights, on the sampler's devices.
-  sampler_params, version = ctl.ps.pull()
+  sampler_params, version = ctl.weights.latest()
   assert version == 4
   assert _params_equal(sampler_params, ctl.final_state.params)
   for leaf in jax.tree.leaves(sampler_params):

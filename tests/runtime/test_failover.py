@@ -1,4 +1,4 @@
-"""Slice preemption inside a live controller (rlax.failover) on 8 fake CPU devices = 4 slices of 2.
+"""Slice preemption inside a live controller (rlax.runtime.failover) on 8 fake CPU devices = 4 slices of 2.
 
 The tiny config trains on slices 0-1 and samples on slices 2-3; faults are scheduled through
 `faults.lose_slice_at` / `faults.restore_slice_at` ("slice:step") and fire at trainer step boundaries.
@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from rlax import failover
-from rlax.controller import Controller
+from rlax import config as config_lib
+from rlax.runtime import Controller
 from tiny import tiny_config
 
 DET = {"controller.max_staleness": 1, "deterministic": True, "controller.steps": 6}
@@ -34,10 +34,10 @@ def reference(tmp_path_factory):
 
 
 def test_parse_schedule():
-  assert failover.parse_schedule("2:5, 0:9", "f") == [(2, 5), (0, 9)]
-  assert failover.parse_schedule("", "f") == []
+  assert config_lib.parse_schedule("2:5, 0:9", "f") == ((2, 5), (0, 9))
+  assert config_lib.parse_schedule("", "f") == ()
   with pytest.raises(ValueError, match="faults.lose_slice_at"):
-    failover.parse_schedule("2-5", "faults.lose_slice_at")
+    config_lib.parse_schedule("2-5", "faults.lose_slice_at")
 
 
 def test_unknown_slice_in_schedule_is_an_error(tmp_path):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rlax.controller import Controller
+from rlax.runtime import Controller
 from tiny import demo_config
 
 

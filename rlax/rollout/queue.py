@@ -20,8 +20,9 @@ class Rollout:
   """One step's worth of generated, graded samples. `index` is the batch's step number."""
   index: int
   version: int                 # oldest weight version among its tokens
-  data: Any                    # host/device arrays the trainer consumes
+  data: Any                    # the packed RolloutBatch (numpy, on the host)
   stats: dict = dataclasses.field(default_factory=dict)
+  data_state: dict = dataclasses.field(default_factory=dict)  # data iterator position after this batch
 
 
 class Closed(Exception):

@@ -1,0 +1,338 @@
+"""The typed run config: frozen dataclasses made once, at the launch boundary, from the user's ConfigDict.
+
+ml_collections stays the user's interface (`--config=configs/demo.py --config.rollout.max_new_tokens=16`);
+`load(config_dict)` turns it into a `RunConfig`: every field type-checked, paths made absolute, and every
+cross-field rule checked, each failure one ValueError naming the field. This is the only module that
+sees a ConfigDict; library code reads `RunConfig`. A field that no code reads does not exist here, and
+an unknown field in the ConfigDict is an error naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from typing import Any, Mapping, Optional
+
+from rlax import algorithms
+from rlax import models
+from rlax.topology import TopologyConfig
+from rlax.trainer.optimizer import OptimizerConfig
+
+# Algorithms whose advantage normalizes within a prompt's group of samples.
+GROUP_ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo", "gspo", "cispo")
+# Algorithms this runtime trains end to end ('ppo' needs a value model, not trained yet).
+RUNTIME_ALGORITHMS = GROUP_ALGORITHMS + ("reinforce_pp",)
+
+
+@dataclasses.dataclass(frozen=True)
+class InitConfig:
+  """Supervised warm start before RL: `sft_steps` updates of `sft_batch` rows at `sft_lr` (0: none)."""
+  sft_steps: int = 0
+  sft_batch: int = 64
+  sft_lr: float = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSection:
+  """AdamW + schedule + clipping, and how a batch splits into micro-batches on the trainer."""
+  lr: float = 1e-5
+  warmup_steps: int = 0
+  schedule: str = "constant"
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  clip_norm: float = 1.0
+  micro_batches: int = 1
+  micro_batch_tokens: int = 0
+
+  def optimizer(self, total_steps: int) -> OptimizerConfig:
+    return OptimizerConfig(lr=self.lr, schedule=self.schedule, warmup_steps=self.warmup_steps,
+                           total_steps=total_steps if self.schedule == "cosine" else None, b1=self.b1, b2=self.b2,
+                           weight_decay=self.weight_decay, max_grad_norm=self.clip_norm or None)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """Per step: `prompts_per_step` prompts x `samples_per_prompt` samples; lengths and sampling method."""
+  prompts_per_step: int = 16
+  samples_per_prompt: int = 8
+  max_prompt_len: int = 32
+  max_new_tokens: int = 64
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  decode_chunk: int = 0          # > 0: decode in chunks; weights may be swapped in between
+  inflight_updates: bool = False
+
+  @property
+  def rows(self) -> int:
+    return self.prompts_per_step * self.samples_per_prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+  """The loop: `steps` RL steps; a sample is at most `max_staleness` (k) policy versions old."""
+  steps: int = 100
+  max_staleness: int = 1
+  stale_policy: str = "drop"     # or "importance_weight"
+  push_every: int = 1
+  queue_size: int = 2
+  dynamic_sampling: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsConfig:
+  """Trainer → sampler weight push: bucketing of the device-to-device transfer."""
+  bucket: str = "per_layer"      # "whole", "per_layer" or "bytes" (with bucket_bytes)
+  bucket_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """The built-in synthetic task and its held-out split (`n_eval` prompts drawn with `eval_seed`)."""
+  task: str = "arithmetic"
+  difficulty: int = 1
+  n_train: int = 4096
+  n_eval: int = 128
+  eval_seed: int = 12345
+  prompt_style: str = "instruct"  # or "compact" (arithmetic, digit_sort)
+  ops: str = ""                   # arithmetic: keep problems using only these operators
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+  name: str = "arithmetic"
+  workers: int = 4
+  timeout_s: float = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Held-out pass@k before and after training: `n_samples` samples per eval prompt."""
+  n_samples: int = 8
+  temperature: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every_steps: int = 50
+  every_seconds: float = 600.0
+  keep: int = 3
+  grace_seconds: float = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultsConfig:
+  """Simulated slice preemption: (slice, step) pairs lost / restored at step boundaries."""
+  lose_slice_at: tuple[tuple[int, int], ...] = ()
+  restore_slice_at: tuple[tuple[int, int], ...] = ()
+
+  @property
+  def any(self) -> bool:
+    return bool(self.lose_slice_at or self.restore_slice_at)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+  """Ahead-of-time planning only: the target topology and the chip's figures (see launch.plan)."""
+  topology: str = "local"
+  num_slices: int = 1
+  chip: str = "v5p"
+  hbm_gib: float = 95.0
+  peak_tflops: float = 459.0
+  hbm_tb_s: float = 2.76
+  ici_gb_s: float = 300.0
+  dcn_gb_s: float = 6.25
+  sampler_batch: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """Everything one run reads. `model` and `algorithm` are resolved (preset + overrides applied)."""
+  seed: int
+  workdir: str
+  deterministic: bool
+  model_preset: str
+  model: models.ModelConfig
+  init: InitConfig
+  topology: TopologyConfig
+  algorithm: algorithms.AlgorithmConfig
+  optimizer: OptimizerSection
+  rollout: RolloutConfig
+  controller: ControllerConfig
+  param_server: WeightsConfig
+  data: DataConfig
+  reward: RewardConfig
+  eval: EvalConfig
+  checkpoint: CheckpointConfig
+  faults: FaultsConfig
+  plan: Optional[PlanConfig] = None
+
+  def replace(self, **kw) -> "RunConfig":
+    """A copy with top-level fields replaced (sections are frozen: replace them whole)."""
+    return dataclasses.replace(self, **kw)
+
+
+_SECTIONS = {"init": InitConfig, "optimizer": OptimizerSection, "rollout": RolloutConfig,
+             "controller": ControllerConfig, "param_server": WeightsConfig, "data": DataConfig,
+             "reward": RewardConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "plan": PlanConfig}
+_TOP = ("seed", "workdir", "deterministic", "model", "topology", "algorithm", "faults", *_SECTIONS)
+
+
+def _plain(node: Any) -> Any:
+  return node.to_dict() if hasattr(node, "to_dict") else node
+
+
+def _coerce(value: Any, typ: Any, field: str) -> Any:
+  """`value` as `typ` (int, float, bool, str); ints are accepted for floats. ValueError names `field`."""
+  if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+    return float(value)
+  if typ in (int, bool, str) and isinstance(value, typ) and not (typ is int and isinstance(value, bool)):
+    return value
+  raise ValueError(f"{field}={value!r}: expected {typ.__name__}, got {type(value).__name__}")
+
+
+def _section(cls, node: Any, path: str):
+  values = dict(_plain(node) or {})
+  hints = typing.get_type_hints(cls)
+  names = [f.name for f in dataclasses.fields(cls)]
+  unknown = sorted(set(values) - set(names))
+  if unknown:
+    raise ValueError(f"{path}.{unknown[0]} is not a config field; {path} has {', '.join(names)}")
+  return cls(**{k: _coerce(v, hints[k], f"{path}.{k}") for k, v in values.items()})
+
+
+def parse_schedule(spec: str, field: str) -> tuple[tuple[int, int], ...]:
+  """'2:5,0:9' → ((slice 2, step 5), (slice 0, step 9)); empty string → ()."""
+  out = []
+  for part in (p.strip() for p in (spec or "").split(",")):
+    if not part:
+      continue
+    try:
+      sl, st = (int(x) for x in part.split(":"))
+    except ValueError:
+      raise ValueError(f"{field}={spec!r}: entries must look like 'slice:step', got {part!r}") from None
+    if sl < 0 or st < 0:
+      raise ValueError(f"{field}={spec!r}: slice and step must be >= 0, got {part!r}")
+    out.append((sl, st))
+  return tuple(out)
+
+
+def load(cd: Any) -> RunConfig:
+  """ConfigDict (or nested dict) → validated RunConfig; raises ValueError naming the offending field."""
+  top = dict(_plain(cd))
+  unknown = sorted(set(top) - set(_TOP))
+  if unknown:
+    raise ValueError(f"{unknown[0]} is not a config field; top-level fields are {', '.join(_TOP)}")
+  workdir = top.get("workdir", "")
+  if not isinstance(workdir, str) or not workdir.strip():
+    raise ValueError(f"workdir={workdir!r}: give a directory for checkpoints and logs")
+  model = dict(_plain(top.get("model", {})))
+  bad = sorted(set(model) - {"preset", "overrides"})
+  if bad:
+    raise ValueError(f"model.{bad[0]} is not a config field; model has preset, overrides")
+  try:
+    model_cfg = models.preset(model.get("preset", "w1"), **dict(_plain(model.get("overrides", {})) or {}))
+  except TypeError as e:  # an unknown override reaches the dataclass constructor
+    raise ValueError(f"model.overrides: {e}") from None
+  algo = dict(_plain(top.get("algorithm", {})))
+  name = algo.pop("name", "grpo")
+  overrides = dict(_plain(algo.pop("overrides", {})) or {})
+  bad = sorted(set(algo) - {"kl_coef", "kl_estimator", "entropy_coef"})
+  if bad:
+    raise ValueError(f"algorithm.{bad[0]} is not a config field; algorithm has name, kl_coef, kl_estimator, "
+                     "entropy_coef, overrides")
+  try:
+    algorithm = algorithms.get_algorithm(name, **{**algo, **overrides})
+  except TypeError as e:
+    raise ValueError(f"algorithm.overrides: {e}") from None
+  faults = dict(_plain(top.get("faults", {})) or {})
+  bad = sorted(set(faults) - {"lose_slice_at", "restore_slice_at"})
+  if bad:
+    raise ValueError(f"faults.{bad[0]} is not a config field; faults has lose_slice_at, restore_slice_at")
+  sections = {k: _section(cls, top.get(k, {}), k) for k, cls in _SECTIONS.items() if k != "plan"}
+  run = RunConfig(
+      seed=_coerce(top.get("seed", 0), int, "seed"),
+      workdir=os.path.abspath(os.path.expanduser(workdir)),  # orbax refuses relative paths
+      deterministic=_coerce(top.get("deterministic", False), bool, "deterministic"),
+      model_preset=model.get("preset", "w1"), model=model_cfg,
+      topology=TopologyConfig.from_dict(_plain(top.get("topology", {}))), algorithm=algorithm,
+      faults=FaultsConfig(parse_schedule(faults.get("lose_slice_at", ""), "faults.lose_slice_at"),
+                          parse_schedule(faults.get("restore_slice_at", ""), "faults.restore_slice_at")),
+      plan=_section(PlanConfig, top["plan"], "plan") if top.get("plan") is not None else None,
+      **sections)
+  validate(run)
+  return run
+
+
+def validate(run: RunConfig) -> None:
+  """Single- and cross-field rules; raises ValueError naming the fields."""
+  ctl, r, o, e, ck = run.controller, run.rollout, run.optimizer, run.eval, run.checkpoint
+  checks = [
+      (ctl.steps >= 0, f"controller.steps={ctl.steps} must be >= 0"),
+      (ctl.max_staleness >= 0, f"controller.max_staleness={ctl.max_staleness} must be >= 0"),
+      (ctl.push_every >= 1, f"controller.push_every={ctl.push_every} must be >= 1"),
+      (ctl.queue_size >= 1, f"controller.queue_size={ctl.queue_size} must be >= 1"),
+      (ctl.stale_policy in ("drop", "importance_weight"),
+       f"controller.stale_policy={ctl.stale_policy!r}: use 'drop' or 'importance_weight'"),
+      (ctl.push_every <= ctl.max_staleness + 1,
+       f"controller.push_every={ctl.push_every} > max_staleness+1={ctl.max_staleness + 1}: the sampler would "
+       "wait forever for fresh enough weights"),
+      (not run.deterministic or ctl.push_every == 1,
+       "deterministic=True needs controller.push_every=1 (a fixed staleness schedule)"),
+      (not run.deterministic or ctl.queue_size >= ctl.max_staleness,
+       f"deterministic=True needs controller.queue_size >= max_staleness={ctl.max_staleness} (checkpoints carry "
+       "the rollouts generated ahead of the trainer)"),
+      (not (run.deterministic and r.inflight_updates),
+       "deterministic=True is incompatible with rollout.inflight_updates=True"),
+      (not r.inflight_updates or r.decode_chunk > 0, "rollout.inflight_updates=True needs rollout.decode_chunk > 0"),
+      (r.samples_per_prompt >= 1, f"rollout.samples_per_prompt={r.samples_per_prompt} must be >= 1"),
+      (r.prompts_per_step >= 1, f"rollout.prompts_per_step={r.prompts_per_step} must be >= 1"),
+      (r.max_prompt_len >= 1, f"rollout.max_prompt_len={r.max_prompt_len} must be >= 1"),
+      (r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1"),
+      (r.decode_chunk >= 0, f"rollout.decode_chunk={r.decode_chunk} must be >= 0"),
+      (r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0 for RL sampling"),
+      (r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0"),
+      (0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]"),
+      (not (r.top_k and r.top_p < 1), "rollout.top_k and rollout.top_p are exclusive; set one of them"),
+      (run.algorithm.name in RUNTIME_ALGORITHMS,
+       f"algorithm.name={run.algorithm.name!r}: the runtime trains {', '.join(RUNTIME_ALGORITHMS)} "
+       "('ppo' needs a value model, which it does not train yet)"),
+      (run.algorithm.name not in GROUP_ALGORITHMS or r.samples_per_prompt >= 2,
+       f"algorithm {run.algorithm.name!r} normalizes within groups: rollout.samples_per_prompt must be >= 2, "
+       f"got {r.samples_per_prompt}"),
+      (o.micro_batches >= 1 and r.rows % o.micro_batches == 0,
+       f"optimizer.micro_batches={o.micro_batches} does not divide the batch of {r.rows} rows "
+       "(rollout.prompts_per_step x samples_per_prompt)"),
+      (o.micro_batch_tokens >= 0, f"optimizer.micro_batch_tokens={o.micro_batch_tokens} must be >= 0"),
+      (o.schedule in ("constant", "cosine"), f"optimizer.schedule={o.schedule!r}: use 'constant' or 'cosine'"),
+      (o.lr > 0, f"optimizer.lr={o.lr} must be > 0"),
+      (e.n_samples >= 1, f"eval.n_samples={e.n_samples} must be >= 1"),
+      (e.temperature > 0, f"eval.temperature={e.temperature} must be > 0"),
+      (run.init.sft_steps >= 0 and run.init.sft_batch >= 1,
+       f"init.sft_steps={run.init.sft_steps} must be >= 0 and init.sft_batch={run.init.sft_batch} >= 1"),
+      (ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1"),
+      (ck.every_steps >= 0 and ck.every_seconds >= 0,
+       "checkpoint.every_steps and checkpoint.every_seconds must be >= 0 (0: off)"),
+      (ck.grace_seconds > 0, f"checkpoint.grace_seconds={ck.grace_seconds} must be > 0"),
+      (run.param_server.bucket in ("whole", "per_layer", "bytes"),
+       f"param_server.bucket={run.param_server.bucket!r}: use 'whole', 'per_layer' or 'bytes'"),
+      (run.param_server.bucket != "bytes" or run.param_server.bucket_bytes > 0,
+       "param_server.bucket='bytes' needs param_server.bucket_bytes > 0"),
+      (run.reward.workers >= 1 and run.reward.timeout_s > 0,
+       "reward.workers must be >= 1 and reward.timeout_s > 0"),
+      (run.data.n_train >= 1 and run.data.n_eval >= 1 and run.data.difficulty >= 1,
+       "data.n_train, data.n_eval and data.difficulty must be >= 1"),
+      (run.data.prompt_style in ("instruct", "compact"),
+       f"data.prompt_style={run.data.prompt_style!r}: use 'instruct' or 'compact'"),
+  ]
+  for ok, msg in checks:
+    if not ok:
+      raise ValueError(msg)
+
+
+def to_dict(run: RunConfig) -> dict[str, Any]:
+  """JSON-able dict of the run config (what checkpoints record)."""
+  return dataclasses.asdict(run)
+

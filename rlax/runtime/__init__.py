@@ -1,0 +1,3 @@
+"""The runtime: the controller's thin loop, the run state (checkpoints), preemption, and failover."""
+
+from rlax.runtime.controller import Controller

@@ -1,0 +1,320 @@
+"""The controller: a thin loop over parts with one job each.
+
+    summary = Controller(config).run()      # config: a ConfigDict or a typed rlax.config.RunConfig
+
+Data flow (one direction): the rollout producer (rlax.rollout.producer, its own thread, sampler submesh)
+generates, grades and packs batch s with weights of version >= s - k → the rollout queue (staleness <= k)
+→ the trainer (trainer submesh; one device_put per batch) → the weights service pushes version s + 1 →
+the producer. The run state (rlax.runtime.run_state) defines what a checkpoint holds; preemption
+(SIGTERM/SIGINT) stops at a step boundary with a checkpoint; slice loss is handled by
+`rlax.runtime.failover.recover`, which returns new parts and a resume point.
+
+One process drives both submeshes; or, without Pathways, the same program runs as one process per role
+(`python -m launch.multihost --num_processes=2 -- python -m launch.main ...`): the process that owns the
+trainer's devices trains and checkpoints, the one that owns the sampler's samples, grades and evaluates;
+weights cross by `CrossMeshPush` and rollouts by the coordination service (rlax.rollout.remote).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import threading
+import time
+from typing import Any, Optional
+
+from absl import logging
+import jax
+import numpy as np
+
+from rlax import builders
+from rlax import config as config_lib
+from rlax import evaluation
+from rlax.metrics import MetricsWriter
+from rlax.multihost import Channel
+from rlax.rollout import Closed, RolloutQueue, packing
+from rlax.rollout.producer import RolloutProducer
+from rlax.rollout.remote import RemoteSink, RemoteSource
+from rlax.rollout.sft import sft_warm_start
+from rlax.runtime import failover
+from rlax.runtime.preemption import Preemption
+from rlax.runtime.run_state import RunState
+from rlax.topology import SliceLostError, build_topology
+
+
+class Controller:
+  """Builds this process's parts from `config` and runs RL; see the module docstring.
+
+  tokenizer / records=(train, eval) / reward_fn replace what the config names (benchmarks, embedding).
+  callbacks: cb(controller, step, metrics_row) after every trainer step.
+  """
+
+  def __init__(self, config, *, progress: bool = True, callbacks=(), tokenizer=None, records=None,
+               reward_fn=None):
+    run = config if isinstance(config, config_lib.RunConfig) else config_lib.load(config)
+    self.run_cfg = run
+    os.makedirs(run.workdir, exist_ok=True)
+    self.workdir = run.workdir
+    self.tokenizer = tokenizer or builders.tokenizer(run)
+    if self.tokenizer.get_vocab_size() > run.model.vocab_size:
+      raise ValueError(f"tokenizer has {self.tokenizer.get_vocab_size()} tokens but model.vocab_size is "
+                       f"{run.model.vocab_size}")
+    self.train_records, self.eval_records = records or builders.datasets(run)
+    self.reward_fn = reward_fn or builders.reward_fn(run)
+    topology = build_topology(run.topology)
+    self.channel = Channel() if jax.process_count() > 1 else None
+    if self.channel is not None and run.faults.any:
+      raise ValueError("faults.lose_slice_at / restore_slice_at simulate slice loss inside one controller "
+                       "process; a multi-process job recovers by restarting (launch.multihost)")
+    self.parts = builders.components(run, topology, channel=self.channel)
+    self.faults = failover.Faults(run, topology)
+    self.preemption = Preemption(run.checkpoint.grace_seconds)
+    self.callbacks = list(callbacks)
+    self.pool = builders.verifier_pool(run) if self.sampler is not None else None
+    self.data = builders.record_iterator(run, self.train_records) if self.sampler is not None else None
+    self.run_state = self.metrics = None
+    if self.trainer is not None:
+      self.run_state = RunState(run, run.rollout.max_prompt_len)
+      self.metrics = MetricsWriter(os.path.join(run.workdir, "logs"), total_steps=run.controller.steps,
+                                   progress=progress)
+    self.staleness_hist: collections.Counter = collections.Counter()
+    self.dropped = 0
+    self.final_state = None
+    self._data_after: dict = {}  # data position after the newest trained batch
+
+  # -- the parts this process holds (read-only views) ----------------------------------------------------------
+  @property
+  def topo(self):
+    return self.parts.topology
+
+  @property
+  def trainer(self):
+    return self.parts.trainer
+
+  @property
+  def sampler(self):
+    return self.parts.sampler
+
+  @property
+  def weights(self):
+    return self.parts.weights
+
+  def request_stop(self, *_) -> None:
+    """Preemption notice: checkpoint at the next step boundary and return."""
+    self.preemption.request()
+
+  # -- pieces of the loop --------------------------------------------------------------------------------------
+  def _warm_start(self, state):
+    run = self.run_cfg
+    if not run.init.sft_steps:
+      return state
+    sft = builders.sft_trainer(run, self.topo.trainer_mesh)
+    state = sft_warm_start(sft, sft.init_state(state.params), self.tokenizer, self.train_records,
+                           steps=run.init.sft_steps, batch=run.init.sft_batch, style=run.data.prompt_style,
+                           prompt_len=run.rollout.max_prompt_len, response_len=run.rollout.max_new_tokens)
+    return self.trainer.init_state(state.params)  # RL starts from fresh optimizer moments on these weights
+
+  def _push(self, params, version: int) -> dict:
+    if self.sampler is not None:
+      self.faults.ensure_alive(self.topo.sampler_mesh)
+    self.faults.remember(params, version)
+    return self.weights.push(params, version)
+
+  def evaluate(self, tag: str) -> dict:
+    """Held-out pass@k with the newest published weights (run by the process that holds the sampler)."""
+    if self.sampler is None:
+      return self.channel.get_json(f"eval/{tag}")
+    run = self.run_cfg
+    params, v = self.weights.latest()
+    if v != self.sampler.version:
+      self.sampler.update_weights(params, v)
+    gen = packing.text_generate_fn(self.sampler, self.tokenizer, builders.eval_method(run), seed=run.seed + 1, step=0)
+    n = run.eval.n_samples
+    res = evaluation.evaluate(gen, self.eval_records, self.reward_fn, n=n, ks=sorted({1, n}), grade_fn=self.pool.grade)
+    logging.info("eval (%s): %s", tag, res)
+    if self.channel is not None:
+      self.channel.set_json(f"eval/{tag}", res)
+    return res
+
+  def _producer(self, sink) -> RolloutProducer:
+    run = self.run_cfg
+    return RolloutProducer(sampler=self.sampler, weights=self.weights, data=self.data, tokenizer=self.tokenizer,
+                           reward_fn=self.reward_fn, grade=self.pool.grade, method=builders.sampling_method(run),
+                           rollout=run.rollout, max_staleness=run.controller.max_staleness,
+                           deterministic=run.deterministic, dynamic_sampling=run.controller.dynamic_sampling,
+                           seed=run.seed, sink=sink, ensure_alive=self.faults.ensure_alive)
+
+  def _save(self, s: int, state, queue: RolloutQueue, before: Optional[dict], force: bool) -> None:
+    if not (force or self.run_state.should_save(s)):
+      return
+    n = self.run_state.pending_needed(s)
+    pending = queue.peek(n) if n else []
+    self.run_state.save(s, state, pending=pending, data_state=pending[-1].data_state if pending else self._data_after,
+                        version=self.weights.pushed, history=self.metrics.history, eval_before=before)
+
+  # -- the loop ------------------------------------------------------------------------------------------------
+  def _stretch(self, s: int, state, ref_params, before: Optional[dict], pending: list):
+    """Trains from step `s` until done, preempted or a slice fault → (step, state, fault or None, kept rollouts)."""
+    run = self.run_cfg
+    ctl, steps = run.controller, run.controller.steps
+    queue = RolloutQueue(ctl.queue_size, ctl.max_staleness, ctl.stale_policy)
+    for r in pending:
+      queue.put(r)
+    if self.sampler is not None:
+      source = self._producer(queue.put)
+      source.start(s + len(pending), steps, on_error=queue.close)
+    else:
+      source = RemoteSource(self.channel)
+      source.start(s + len(pending), steps, queue, on_error=queue.close)
+    fault, kept = None, []
+    try:
+      while s < steps and not self.preemption.requested:
+        self.faults.at_step(s, self.topo)
+        t0 = time.perf_counter()
+        try:
+          item, wait = queue.get(policy_version=s)
+        except Closed:
+          if source.error is not None:
+            raise source.error from None
+          raise
+        t1 = time.perf_counter()
+        batch = self.trainer.place(item.data)
+        if ref_params is not None:
+          batch = batch.replace(ref_logprobs=self.trainer.ref_logprobs(ref_params, batch))
+        state, m = self.trainer.step(state, batch)
+        m = jax.device_get(m)
+        t2 = time.perf_counter()
+        sync, lost = {}, None
+        if (s + 1) % ctl.push_every == 0:
+          try:
+            sync = self._push(state.params, s + 1)
+          except SliceLostError as e:  # the step is done; the rebuilt sampler gets these weights
+            lost = e
+        t3 = time.perf_counter()
+        row = {k: float(v) for k, v in m.items()}
+        row.update(item.stats)
+        row.update(sync)
+        row.update(train_s=t2 - t1, trainer_idle_s=wait, sync_total_s=t3 - t2, step_s=t3 - t0,
+                   staleness=float(s - item.version), dropped=float(self.dropped + queue.dropped))
+        row["tokens_per_s"] = row.get("response_tokens", 0.0) / max(t3 - t0, 1e-9)
+        self.metrics.write(s, row)
+        for cb in self.callbacks:
+          cb(self, s, row)
+        s += 1
+        self._data_after = item.data_state
+        if lost is not None:
+          raise lost
+        self._save(s, state, queue, before, force=self.preemption.requested or s == steps)
+    except failover.TopologyChange as e:
+      fault, kept = e, queue.peek(len(queue))
+    finally:
+      queue.close()
+      self.weights.close()  # wakes a producer waiting for weights
+      source.join()
+      self.staleness_hist.update(queue.staleness_hist)
+      self.dropped += queue.dropped
+    return s, state, fault, kept
+
+  def _train(self) -> dict:
+    """The trainer's side of the run (the whole run in one process): returns the summary."""
+    t_start = time.perf_counter()
+    run = self.run_cfg
+    steps = run.controller.steps
+    state = self.trainer.init_state(builders.fresh_params(run, self.topo.trainer_mesh))
+    resume = self.run_state.restore(state)
+    if resume is None:
+      start, pending, before = 0, [], None
+      state = self._warm_start(state)
+      self._data_after = self.data.get_state() if self.data is not None else {}
+    else:
+      start, state, pending, before = resume.step, resume.state, resume.pending, resume.eval_before
+      self.metrics.history[:] = resume.history
+      self._data_after = resume.data_state
+      if self.data is not None:
+        self.data.set_state(resume.data_state)
+      logging.info("resumed from checkpoint step %d (%d pending rollouts)", start, len(pending))
+    if self.channel is not None:
+      self.channel.set_json("start", {"step": start, "first": start + len(pending),
+                                      "data": resume.data_state if resume else None, "evaluate": resume is None})
+    self._push(state.params, start)
+    if before is None:
+      before = self.evaluate("before")
+    ref_params = jax.tree.map(lambda x: x.copy(), state.params) if run.algorithm.kl_coef > 0 else None
+    s = start
+    while True:  # one stretch per topology: a slice fault ends it and recovery starts the next
+      s, state, fault, kept = self._stretch(s, state, ref_params, before, pending)
+      if fault is None:
+        break
+      rec = failover.recover(run, self.parts, self.faults, fault, step=s, state=state, ref_params=ref_params,
+                             kept=kept, data_state=self._data_after, restore=self.run_state.restore)
+      self.parts, s, state, ref_params, pending = rec.parts, rec.step, rec.state, rec.ref_params, rec.pending
+      if rec.history is not None:
+        self.metrics.history[:] = rec.history
+        self._data_after = rec.data_state
+      self.data.set_state(rec.data_state)
+    self.run_state.wait()
+    finished = s == steps
+    if finished and self.weights.pushed < s:
+      self.weights.push(state.params, s)  # evaluate the final weights even when push_every skipped them
+    self.weights.end()
+    if self.channel is not None:
+      self.channel.set_json("end", {"evaluate": finished})
+    self.final_state = state
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(jax.device_get(state.params)):
+      digest.update(np.ascontiguousarray(leaf).tobytes())
+    summary = {"steps": s, "preempted": not finished,
+               "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+               "params_sha256": digest.hexdigest(), "failovers": len(self.faults.events),
+               "processes": jax.process_count()}
+    if finished:
+      after = self.evaluate("after")
+      n = run.eval.n_samples
+      summary.update({"pass1_before": before["pass@1"], "pass1_after": after["pass@1"],
+                      f"pass{n}_before": before[f"pass@{n}"], f"pass{n}_after": after[f"pass@{n}"]})
+    summary["wall_s"] = time.perf_counter() - t_start
+    with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+      json.dump(summary, f)
+    return summary
+
+  def _sample(self) -> None:
+    """The sampler process of a multi-process job: produce every batch the trainer process asks for."""
+    start = self.channel.get_json("start")
+    if start["data"] is not None:
+      self.data.set_state(start["data"])
+    server = threading.Thread(target=self.weights.serve, daemon=True, name="weights-receiver")
+    server.start()
+    if start["evaluate"]:
+      self.weights.wait_for(start["step"])
+      self.evaluate("before")
+    try:
+      self._producer(RemoteSink(self.channel)).run(start["first"], self.run_cfg.controller.steps)
+    except Closed:  # the trainer process stopped early (preemption)
+      pass
+    end = self.channel.get_json("end")
+    server.join()
+    if end["evaluate"]:
+      self.evaluate("after")
+
+  def run(self) -> Optional[dict]:
+    """Trains from the newest checkpoint (or from scratch) to `controller.steps`.
+
+    Returns the summary dict (pass@k before/after, params digest, wall time) in the process that holds the
+    trainer, None in a sampler-only process.
+    """
+    self.preemption.install()
+    try:
+      if self.trainer is None:
+        self._sample()
+        return None
+      return self._train()
+    finally:
+      self.preemption.cancel()
+      if self.pool is not None:
+        self.pool.close()
+      if self.metrics is not None:
+        self.metrics.close()
+      if self.run_state is not None:
+        self.run_state.close()

@@ -1,0 +1,82 @@
+"""What a checkpoint holds, defined in one place: save it, restore it (onto any trainer mesh).
+
+Arrays: the train state (step, params, optimizer state) and, in deterministic mode, the k rollouts
+generated ahead of the trainer (numpy), padded to k so every checkpoint has one shape. JSON meta: step,
+weight version, data position after the newest accounted batch, the pending rollouts' indices, versions
+and stats, the metric history, the pre-training evaluation, the run config and the model config (a
+checkpoint of another model is refused, naming both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+from rlax import config as config_lib
+from rlax.checkpoint import Checkpointer, IncompatibleCheckpointError, abstract_like, to_json
+from rlax.rollout import Rollout, empty_batch
+
+
+@dataclasses.dataclass
+class Resume:
+  """Where a restored run continues: trained `step`, its state, data position, queued rollouts, history."""
+  step: int
+  state: Any
+  data_state: dict
+  pending: list[Rollout]
+  history: list[dict]
+  eval_before: Optional[dict]
+
+
+class RunState:
+  """Checkpoints of one run under `<workdir>/checkpoints` (periodic, async, keep-last-N)."""
+
+  def __init__(self, run: config_lib.RunConfig, prompt_len: int):
+    ck = run.checkpoint
+    self.run = run
+    self.ckpt = Checkpointer(os.path.join(run.workdir, "checkpoints"), keep=ck.keep,
+                             every_steps=ck.every_steps or None, every_seconds=ck.every_seconds or None)
+    # Deterministic mode regenerates nothing on resume: the rollouts generated ahead are saved.
+    self.n_pending = run.controller.max_staleness if run.deterministic else 0
+    self._template = empty_batch(run.rollout.rows, prompt_len, run.rollout.max_new_tokens)
+    self._model = to_json(run.model)
+
+  def _tree(self, state: Any, pending: list[Any]) -> dict:
+    return {"train": state, "pending": list(pending) + [self._template] * (self.n_pending - len(pending))}
+
+  def pending_needed(self, step: int) -> int:
+    """How many queued rollouts a checkpoint at `step` carries (none exist past the last step)."""
+    return min(self.n_pending, self.run.controller.steps - step)
+
+  def should_save(self, step: int) -> bool:
+    return self.ckpt.should_save(step)
+
+  def save(self, step: int, state: Any, *, pending: list[Rollout], data_state: dict, version: int,
+           history: list[dict], eval_before: Optional[dict]) -> None:
+    """Starts an async save of `step` (returns at once; `wait()` blocks until it is on disk)."""
+    meta = {"step": step, "version": version, "seed": self.run.seed, "data": data_state,
+            "pending": [{"index": r.index, "version": r.version, "stats": r.stats, "data_state": r.data_state}
+                        for r in pending],
+            "history": history, "eval_before": eval_before, "config": config_lib.to_dict(self.run),
+            "model": self._model}
+    self.ckpt.save(step, self._tree(state, [r.data for r in pending]), meta, force=True)
+
+  def restore(self, state_like: Any) -> Optional[Resume]:
+    """The newest readable checkpoint restored onto `state_like`'s shardings, or None when there is none."""
+    got = self.ckpt.restore_latest(abstract_like(self._tree(state_like, [self._template] * self.n_pending)))
+    if got is None:
+      return None
+    step, tree, meta = got
+    if meta.get("model") != self._model:
+      raise IncompatibleCheckpointError(f"checkpoint step {step} was written for model {meta.get('model')}, "
+                                        f"this run's model is {self._model}")
+    pending = [Rollout(r["index"], r["version"], b, r["stats"], r.get("data_state", {}))
+               for r, b in zip(meta["pending"], tree["pending"])]
+    return Resume(step, tree["train"], meta["data"], pending, meta["history"], meta.get("eval_before"))
+
+  def wait(self) -> None:
+    self.ckpt.wait()
+
+  def close(self) -> None:
+    self.ckpt.close()

@@ -1,0 +1,122 @@
+"""The one object that owns weight versions: atomic publish, one wait, a subscription for in-flight swaps.
+
+The trainer calls `push(params, version)`; the transport moves the weights onto the sampler's shardings
+and, in a process that holds sampler devices, the service publishes them. Samplers read `latest()`,
+`wait_for(v)` (block until version >= v; in deterministic mode exactly v, which is why the service keeps
+the last `keep` versions), or `subscribe(fn)` to be called at every publish. In a multi-process job the
+sampler process runs `serve()`, which receives every push from the trainer process and publishes it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from rlax.rollout.queue import Closed
+from rlax.weights.transports import Transport
+
+
+class WeightsService:
+  """Versioned sampler-side weights over a `Transport`; thread-safe."""
+
+  def __init__(self, transport: Transport, keep: int = 1):
+    if keep < 1:
+      raise ValueError(f"WeightsService keep={keep} must be >= 1")
+    self.transport, self.keep = transport, keep
+    self._versions: collections.OrderedDict[int, Any] = collections.OrderedDict()
+    self._cv = threading.Condition()
+    self._closed = False
+    self._subscribers: list[Callable[[Any, int], None]] = []
+    self.pushed = -1  # the newest version this process pushed (trainer side)
+
+  # -- trainer side ----------------------------------------------------------------------------------------
+  def push(self, trainer_params: Any, version: int) -> dict[str, float]:
+    """Sends `version` through the transport; publishes it here when this process holds sampler devices."""
+    if version <= self.pushed:
+      raise ValueError(f"push version {version} is not newer than the last pushed version {self.pushed}")
+    t0 = time.perf_counter()
+    got, stats = self.transport.send(trainer_params, version)
+    self.pushed = version
+    if got is not None:
+      self.publish(got, version)
+    stats.setdefault("sync_s", time.perf_counter() - t0)
+    return stats
+
+  def end(self) -> None:
+    """Trainer side: no more pushes (a sampler process's `serve` returns)."""
+    self.transport.close()
+
+  # -- sampler side ----------------------------------------------------------------------------------------
+  def publish(self, params: Any, version: int) -> None:
+    """Makes `version` the newest: one step under the lock, so readers see old or new, never a mix."""
+    with self._cv:
+      if self._versions and version <= next(reversed(self._versions)):
+        raise ValueError(f"publish version {version} is not newer than {next(reversed(self._versions))}")
+      self._versions[version] = params
+      while len(self._versions) > self.keep:
+        self._versions.popitem(last=False)
+      subscribers = list(self._subscribers)
+      self._cv.notify_all()
+    for fn in subscribers:
+      fn(params, version)
+
+  @property
+  def version(self) -> int:
+    with self._cv:
+      return next(reversed(self._versions)) if self._versions else -1
+
+  def latest(self) -> tuple[Any, int]:
+    """(params, version) of the newest published version."""
+    with self._cv:
+      if not self._versions:
+        raise ValueError("WeightsService: no weights have been published yet")
+      v = next(reversed(self._versions))
+      return self._versions[v], v
+
+  def wait_for(self, version: int, *, exact: bool = False, timeout: Optional[float] = None
+               ) -> tuple[Any, int, float]:
+    """Blocks until a version >= `version` is published → (params, version, seconds waited).
+
+    `exact`: return exactly `version` (it must still be kept). Raises Closed after `close()`.
+    """
+    t0 = time.perf_counter()
+    with self._cv:
+      ok = self._cv.wait_for(lambda: self._closed or (self._versions and next(reversed(self._versions)) >= version),
+                             timeout)
+      if self._closed:
+        raise Closed()
+      if not ok:
+        raise TimeoutError(f"weights version {version} did not arrive within {timeout}s")
+      if exact:
+        if version not in self._versions:
+          raise RuntimeError(f"weights version {version} is no longer kept (have {list(self._versions)}); "
+                             "the deterministic schedule needs keep >= max_staleness + 1")
+        v = version
+      else:
+        v = next(reversed(self._versions))
+      return self._versions[v], v, time.perf_counter() - t0
+
+  def subscribe(self, fn: Callable[[Any, int], None]) -> Callable[[], None]:
+    """Calls fn(params, version) after every publish (e.g. an in-flight swap); returns the unsubscribe."""
+    with self._cv:
+      self._subscribers.append(fn)
+    return lambda: self._subscribers.remove(fn) if fn in self._subscribers else None
+
+  def serve(self) -> None:
+    """Multi-process sampler side: publish every version the trainer process pushes, until it ends."""
+    try:
+      while True:
+        got = self.transport.receive()
+        if got is None:
+          break
+        self.publish(*got)
+    finally:
+      self.close()
+
+  def close(self) -> None:
+    with self._cv:
+      self._closed = True
+      self._cv.notify_all()
+

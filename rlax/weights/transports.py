@@ -1,0 +1,77 @@
+"""How pushed weights travel from the trainer's shardings to the sampler's.
+
+`DevicePutTransport`: one controller addresses both submeshes, so a push is a cast on the trainer mesh and
+a device-to-device `jax.device_put` onto the sampler shardings (rlax.param_server: buckets, never aliasing
+the trainer's donated buffers). `CrossProcessTransport`: the roles live in different processes joined by
+`jax.distributed`, so a push is `CrossMeshPush`'s collective program, run by both processes in the same
+order; the version number travels over the coordination service's key-value store.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Protocol
+
+from rlax.multihost import Channel, CrossMeshPush
+from rlax.param_server import ParameterServer
+
+
+class Transport(Protocol):
+  """send: trainer side → (params on the sampler shardings if this process holds them, else None; stats).
+  receive: sampler side of a multi-process job → (params, version), or None once the trainer ended."""
+
+  def send(self, trainer_params: Any, version: int) -> tuple[Optional[Any], dict[str, float]]: ...
+
+  def receive(self) -> Optional[tuple[Any, int]]: ...
+
+  def close(self) -> None: ...
+
+
+class DevicePutTransport:
+  """Single controller: device-to-device resharding through a `ParameterServer`."""
+
+  def __init__(self, sampler_shardings: Any, dtype: Any, mode: str = "whole", bucket_bytes: int = 0):
+    self.server = ParameterServer(sampler_shardings, sampler_dtype=dtype, mode=mode,
+                                  bucket_bytes=bucket_bytes or None)
+
+  def send(self, trainer_params: Any, version: int) -> tuple[Any, dict[str, float]]:
+    st = self.server.push(trainer_params, version)
+    params, _ = self.server.pull()
+    return params, {"sync_s": st.seconds, "sync_bytes": float(st.bytes), "sync_gb_per_s": st.gb_per_s}
+
+  def receive(self):
+    raise RuntimeError("DevicePutTransport delivers on send; there is nothing to receive")
+
+  def close(self) -> None:
+    pass
+
+
+class CrossProcessTransport:
+  """Multi-process: `CrossMeshPush` between the trainer process's and the sampler process's meshes.
+
+  `shapes`: the parameter tree of ShapeDtypeStruct (every process passes it, so the collective has the
+  same signature everywhere). Pushes are numbered; push n's version is published under `weights/n`
+  before the collective, and `close()` (trainer side) publishes 'end' so the sampler's `serve` returns.
+  """
+
+  def __init__(self, trainer_mesh, sampler_mesh, sampler_shardings: Any, dtype: Any, shapes: Any, channel: Channel):
+    self.push = CrossMeshPush(trainer_mesh, sampler_mesh, sampler_shardings, dtype=dtype, name="weights")
+    self.shapes, self.channel = shapes, channel
+    self._sent = self._received = 0
+
+  def send(self, trainer_params: Any, version: int) -> tuple[Optional[Any], dict[str, float]]:
+    t0 = time.perf_counter()
+    self.channel.set(f"weights/{self._sent}", str(version))
+    self._sent += 1
+    out = self.push(trainer_params, shapes=self.shapes)
+    return out, {"sync_s": time.perf_counter() - t0}
+
+  def receive(self) -> Optional[tuple[Any, int]]:
+    msg = self.channel.get(f"weights/{self._received}")
+    self._received += 1
+    if msg == "end":
+      return None
+    return self.push(None, shapes=self.shapes), int(msg)
+
+  def close(self) -> None:
+    self.channel.set(f"weights/{self._sent}", "end")
