@@ -2,6 +2,8 @@
 
   python -m launch.main                         # this config is the default
   python -m launch.main --config=configs/demo.py --config.controller.steps=20
+  python -m launch.main --config=configs/demo.py:smoke     # 10 RL steps (CI runs this)
+  python -m launch.main --config=configs/demo.py:tiny      # a 1-layer model, 4 steps (tests)
 
 Trainer and sampler run on disjoint submeshes (2 slices of 2 devices each).
 A short SFT warm start gives the policy a partial skill; RL then raises its
@@ -42,9 +44,21 @@ def get_config(arg: str | None = None):
   c.reward.name = "digit_sort"
   c.eval.n_samples = 8
   c.checkpoint.every_steps = 20
-  if arg == "smoke":
+  if arg == "tiny":  # seconds-long runs (tests): a 1-layer model, no warm start, 4 steps
+    c.workdir = "runs/demo_tiny"
+    c.model.overrides = dict(vocab_size=128, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
+                             mlp_dim=64)
+    c.init.sft_steps = 0
+    c.rollout.prompts_per_step, c.rollout.samples_per_prompt, c.rollout.max_new_tokens = 4, 4, 4
+    c.controller.steps = 4
+    c.data.n_train, c.data.n_eval = 256, 4
+    c.eval.n_samples = 2
+    c.checkpoint.every_steps = 2
+  elif arg == "smoke":
     c.workdir = "runs/demo_smoke"
     c.init.sft_steps = 60
     c.controller.steps = 10
     c.data.n_eval = 32
+  elif arg:
+    raise ValueError(f"configs/demo.py: unknown argument {arg!r}; use 'smoke' or 'tiny'")
   return c

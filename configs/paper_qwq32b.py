@@ -16,7 +16,7 @@ from configs import base
 
 
 def plan_fields(topology: str, num_slices: int, sampler_batch: int) -> ml_collections.ConfigDict:
-  """v5p published per-chip figures; ICI/DCN figures are assumptions (see docs/scale.md)."""
+  """v5p published per-chip figures; ICI/DCN figures are assumptions (README: "Scaling past one machine")."""
   return ml_collections.ConfigDict(dict(
       topology=topology,          # get_topology_desc string, or "local" for this machine's devices
       num_slices=num_slices,

@@ -1,4 +1,4 @@
-"""The job-level restart loop behind `launch.multihost` (importable, so tests and launch.local use it)."""
+"""The job-level restart loop behind `launch.multihost` (importable, so tests use it directly)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Fault injection: run a shrunk deterministic demo through kills, a SIGTERM, slice losses and a corrupt checkpoint.
 
-  python -m launch.fault_inject --steps=24 --kills=5 --seed=0
+  python -m launch.fault_inject --steps=24 --kills=5 --fault_seed=0
 
 The faulted run is a chain of `python -m launch.main` processes in one workdir: SIGKILLs at seeded random
 steps (plus a random delay inside the step), one SIGTERM (checkpoint and exit), a truncated file in the
@@ -20,9 +20,11 @@ import time
 
 from absl import app, flags
 
+from launch.flags_util import parse_or_exit
+
 STEPS = flags.DEFINE_integer("steps", 24, "RL steps of the shrunk demo.")
 KILLS = flags.DEFINE_integer("kills", 5, "SIGKILLs to inject (>= 5 asked by the issue).")
-SEED = flags.DEFINE_integer("seed", 0, "Seed for kill steps and delays.")
+FAULT_SEED = flags.DEFINE_integer("fault_seed", 0, "Seed for kill steps and delays (not the run's config.seed).")
 WORKDIR = flags.DEFINE_string("workdir", "/tmp/rlax_fault_inject", "Parent of the ref/ and faulted/ workdirs.")
 EVERY = flags.DEFINE_integer("ckpt_every", 3, "Checkpoint period in steps.")
 
@@ -66,7 +68,7 @@ def _corrupt_newest(workdir):
 
 def main(argv):
   del argv
-  rng = random.Random(SEED.value)
+  rng = random.Random(FAULT_SEED.value)
   n = STEPS.value
   os.makedirs(WORKDIR.value, exist_ok=True)
   ref_dir, run_dir = (os.path.join(WORKDIR.value, d) for d in ("ref", "faulted"))
@@ -135,4 +137,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_or_exit)

@@ -1,9 +1,14 @@
-"""Flag handling that turns a bad --config or override into one clear line instead of a traceback."""
+"""Flags that several entry points share, defined here once; a bad --config or override exits with one line."""
 
+import os
 import sys
 
 from absl import flags
 from ml_collections import config_flags
+
+flags.disclaim_key_flags()  # flags defined here belong to the calling entry point (its --help lists them)
+
+DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.py")
 
 
 def _die(e: BaseException):
@@ -25,9 +30,43 @@ def define_config(default: str):
     _die(e)
 
 
+def config_args() -> dict[str, str]:
+  """{"config": path, "config.<field>": value} as given on this command line, to pass on to launch.main."""
+  fv = flags.FLAGS
+  out = {"config": fv["config"].serialize().split("=", 1)[1]}
+  for name in fv:
+    if name.startswith("config.") and fv[name].present:
+      arg = fv[name].serialize()  # booleans serialize as --config.x / --noconfig.x
+      out[name] = arg.split("=", 1)[1] if "=" in arg else str(arg == f"--{name}").lower()
+  return out
+
+
+def define_cpu_devices(default: int = 8) -> flags.FlagHolder[int]:
+  """--cpu_devices; `apply_cpu_devices` applies it (a `launch.multihost` job passes it to `init_from_env`)."""
+  return flags.DEFINE_integer("cpu_devices", default, "Fake CPU devices when JAX runs on CPU (per process in a "
+                              "launch.multihost job).")
+
+
+def apply_cpu_devices() -> None:
+  """Gives JAX's CPU backend --cpu_devices devices; call after flag parsing, before the first JAX operation.
+
+  JAX picks the CPU backend only when no accelerator is found, so the count is moot on TPU/GPU hosts. Skipped
+  when jax_platforms excludes the CPU and in a `launch.multihost` job, whose processes get their devices
+  from `rlax.multihost.init_from_env(cpu_devices=...)`.
+  """
+  import jax
+  from rlax import multihost
+  platforms = jax.config.jax_platforms
+  if multihost.ENV_PROCESS_ID in os.environ or (platforms and "cpu" not in platforms.split(",")):
+    return
+  jax.config.update("jax_num_cpu_devices", flags.FLAGS.cpu_devices)
+
+
 def parse_or_exit(argv):
   """absl `flags_parser` for `app.run`: parses argv, or prints one line and exits 2."""
   try:
     return flags.FLAGS(argv)
+  except SystemExit as e:  # absl's --help/--helpfull print usage and exit 1; asking for help is no error
+    sys.exit(0 if e.code == 1 else e.code)
   except Exception as e:  # absl wraps config errors in many types; all mean "bad command line".
     _die(e)

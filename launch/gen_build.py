@@ -2,8 +2,8 @@
 
   python -m launch.gen_build > BUILD
 
-One py_library per package directory; deps are read from each file's
-`rlax.*`/`configs` imports, so the targets stay acyclic as the code is.
+One py_library per package directory (`launch`: its shared modules), one py_binary per entry point; deps
+are read from each file's `rlax.*`/`configs`/`launch` imports, so the targets stay acyclic as the code is.
 """
 
 import ast
@@ -28,12 +28,16 @@ def _files(top):
   return sorted(out)
 
 
+def _is_main(path):
+  return 'if __name__ == "__main__":' in open(os.path.join(ROOT, path)).read()
+
+
 def _target(pkg_dir):
   return pkg_dir.replace("/", "_")
 
 
-def _imports(path, pkgs):
-  """Package targets that `path` imports."""
+def _modules(path):
+  """Absolute module names that `path` imports."""
   tree = ast.parse(open(os.path.join(ROOT, path)).read())
   mods = set()
   for node in ast.walk(tree):
@@ -42,8 +46,13 @@ def _imports(path, pkgs):
     elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
       mods.add(node.module)
       mods.update(f"{node.module}.{a.name}" for a in node.names)
+  return mods
+
+
+def _imports(path, pkgs):
+  """Package targets that `path` imports."""
   deps = set()
-  for m in mods:
+  for m in _modules(path):
     parts = m.split(".")
     for n in range(len(parts), 0, -1):
       cand = "/".join(parts[:n])
@@ -59,7 +68,7 @@ def _rule(kind, name, srcs, deps, extra=""):
 
 
 def main():
-  files = _files("rlax") + _files("configs")
+  files = _files("rlax") + _files("configs") + [f for f in _files("launch") if not _is_main(f)]
   pkgs = sorted({os.path.dirname(f) for f in files})
   out = [HEADER]
   for p in pkgs:
@@ -67,7 +76,7 @@ def main():
     deps = set().union(*(_imports(f, pkgs) for f in srcs)) - {p}
     extra = '    data = glob(["rlax/data/assets/*"]),\n' if p == "rlax/data" else ""
     out.append(_rule("py_library", _target(p), srcs, deps, extra))
-  for f in _files("launch") + _files("bench"):
+  for f in [f for f in _files("launch") if _is_main(f)] + _files("bench"):
     if os.path.basename(f).startswith("_"):
       continue
     name = os.path.splitext(f)[0].replace("/", "_")
@@ -75,8 +84,9 @@ def main():
   for f in _files("tests"):
     if os.path.basename(f).startswith("test_"):
       name = os.path.splitext(f)[0].replace("/", "_")
+      dirs = {os.path.dirname(f), "tests"} | ({"tests/harness"} if "harness" in _modules(f) else set())
       helpers = [h for h in _files("tests") if not os.path.basename(h).startswith("test_")
-                 and os.path.dirname(h) in (os.path.dirname(f), "tests")]
+                 and os.path.dirname(h) in dirs]
       deps = _imports(f, pkgs).union(*(_imports(h, pkgs) for h in helpers))
       out.append(_rule("py_test", name, sorted(set([f] + helpers)), deps, f'    main = "{f}",\n'))
   print("\n".join(out), end="")

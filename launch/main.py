@@ -6,19 +6,23 @@
 On CPU the process sees `--cpu_devices` fake devices (default 8), so the
 trainer/sampler submesh split runs on any machine. The last output line is one
 JSON object with the run's summary (pass@k before/after, wall time).
+
+  python -m launch.multihost --num_processes=2 -- python -m launch.main --cpu_devices=4
+
+runs the same job as two processes (one per role; weights cross by a collective push).
 """
 
 import json
 import os
 import sys
+import traceback
 
 from absl import app, flags, logging
 
-from launch.flags_util import define_config, parse_or_exit
+from launch.flags_util import DEMO_CONFIG, apply_cpu_devices, define_config, define_cpu_devices, parse_or_exit
 
-_DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.py")
-CONFIG = define_config(_DEFAULT)
-CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "Fake CPU devices when no accelerator is present.")
+CONFIG = define_config(DEMO_CONFIG)
+CPU_DEVICES = define_cpu_devices()
 PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar on the console.")
 
 
@@ -26,23 +30,34 @@ def main(argv):
   del argv
   from rlax.allocator import reexec_with_tcmalloc
   reexec_with_tcmalloc()
-  import jax  # after flags: the CPU device count must be set before the first JAX operation
-  jax.config.update("jax_num_cpu_devices", CPU_DEVICES.value)
-  from rlax.multihost import maybe_init_pathways
-  if maybe_init_pathways():  # the optional `pathways` extra: one controller for every slice
+  apply_cpu_devices()  # before the first JAX operation
+  from rlax import multihost
+  if multihost.ENV_PROCESS_ID in os.environ:  # one process per role under launch.multihost
+    multihost.init_from_env(cpu_devices=CPU_DEVICES.value)
+  elif multihost.maybe_init_pathways():  # the optional `pathways` extra: one controller for every slice
     logging.info("Pathways initialized")
-  from rlax.controller import Controller
+  import jax
+  from rlax.runtime import Controller
   logging.set_verbosity(logging.INFO)
   # orbax logs every file operation at INFO; keep its warnings only.
   logging.get_absl_handler().addFilter(
       lambda r: r.levelno >= logging.converter.STANDARD_WARNING or "orbax" not in r.pathname)
-  try:
+  try:  # rlax.config.load types and validates the config; a relative workdir resolves against the cwd
     controller = Controller(CONFIG.value, progress=PROGRESS.value)
   except ValueError as e:
     print(f"rlax: bad config: {e}", file=sys.stderr)
     sys.exit(2)
-  summary = controller.run()
-  print(json.dumps(summary))
+  try:
+    summary = controller.run()
+  except BaseException:
+    if jax.process_count() == 1:
+      raise
+    # A peer would wait minutes at JAX's shutdown barrier; exit now so the supervisor restarts the job.
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(1)
+  if summary is not None:  # the sampler process of a multi-process job has none
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """Writes N synthetic problems to JSONL, optionally deduplicated and decontaminated.
 
-  python -m launch.make_data --task=arithmetic --n=1000 --difficulty=2 --seed=0 --out=/tmp/a.jsonl
-  python -m launch.make_data --task=countdown --n=500 --dedup --decontaminate=/tmp/eval.jsonl --out=...
+  python -m launch.make_data --task=arithmetic --n=200 --seed=1 --out=/tmp/eval.jsonl
+  python -m launch.make_data --task=arithmetic --difficulty=2 --dedup --decontaminate=/tmp/eval.jsonl --out=/tmp/a.jsonl
 """
 
 from absl import app
 from absl import flags
 from absl import logging
 
+from launch.flags_util import parse_or_exit
 from rlax.data import curation
 from rlax.data import records as records_lib
 from rlax.data import synthetic
@@ -36,4 +37,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_or_exit)

@@ -1,7 +1,7 @@
 """Supervisor: start N processes of one multi-process JAX job, restart the whole job when any dies.
 
   python -m launch.multihost --num_processes=2 --max_restarts=3 -- \
-      python -m launch._mh_worker --mode=steps --steps=20 --workdir=/tmp/job
+      python tests/harness/mh_worker.py --mode=steps --steps=20 --workdir=/tmp/job
 
 JAX aborts every process when one peer dies (no Python exception reaches the survivors), so recovery is
 job-level: kill the survivors, pick a fresh coordinator port, start all N again. The job resumes from
@@ -16,6 +16,7 @@ import sys
 from absl import app, flags
 
 from launch._supervisor import Supervisor
+from launch.flags_util import parse_or_exit
 
 NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes in the job.")
 MAX_RESTARTS = flags.DEFINE_integer("max_restarts", 3, "Whole-job restarts before giving up.")
@@ -38,4 +39,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_or_exit)

@@ -16,19 +16,19 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's SPMD warnings drown the table
 
-from absl import app, flags, logging
+from absl import app, logging
 
-from launch.flags_util import define_config, parse_or_exit
+from launch.flags_util import apply_cpu_devices, define_config, define_cpu_devices, parse_or_exit
 
 CONFIG = define_config(None)
-CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "Fake CPU devices for plan.topology='local'.")
+CPU_DEVICES = define_cpu_devices()  # the devices of plan.topology='local'
 
 
 def main(argv):
   del argv
-  import jax  # after flags: the CPU device count must be set before the first JAX operation
-  jax.config.update("jax_num_cpu_devices", CPU_DEVICES.value)
+  import jax  # after flags: the platform and CPU device count must be set before the first JAX operation
   jax.config.update("jax_platforms", "cpu")  # eager helpers run on CPU; TPU programs are compile-only
+  apply_cpu_devices()
   from launch._plan_table import format_table
   from rlax import planning
   logging.set_verbosity(logging.INFO)

@@ -9,7 +9,7 @@ accelerator names count TensorCores: 2 per v5p chip). --method=qr: a queued reso
 JAX's multi-host runtime (MEGASCALE env set by the queued resource) forms one job over all slices.
 --method=xpk: one `xpk workload create` on a GKE cluster. --pathways installs the pathways extra (and uses
 `xpk workload create-pathways`) so the controller's `rlax.multihost.maybe_init_pathways()` gives one
-controller over all slices.
+controller over all slices. `--config.<field>` overrides given here reach the hosts' launch.main too.
 """
 
 import shlex
@@ -18,7 +18,7 @@ import sys
 
 from absl import app, flags
 
-from launch.flags_util import define_config, parse_or_exit
+from launch.flags_util import config_args, define_config, parse_or_exit
 
 CONFIG = define_config(None)
 METHOD = flags.DEFINE_enum("method", "qr", ["qr", "xpk"], "queued resources + ssh, or xpk on GKE.")
@@ -46,12 +46,13 @@ def accelerator_type(topology: str) -> str:
   return f"{gen}-{cores}"
 
 
-def commands(c, config_path: str) -> list[str]:
-  """The shell commands, in order, for --method; each is one line."""
+def commands(c, main_args: dict[str, str]) -> list[str]:
+  """The shell commands, in order, for --method; each is one line. `main_args`: launch.main's flags."""
   acc = accelerator_type(c.plan.topology)
   extras = ".[tpu,pathways]" if PATHWAYS.value else ".[tpu]"
+  main_flags = " ".join(shlex.quote(f"--{k}={v}") for k, v in main_args.items())
   job = (f"git clone {REPO.value} rlax 2>/dev/null || git -C rlax pull; cd rlax && "
-         f"pip install -e {shlex.quote(extras)} && python -m launch.main --config={config_path}")
+         f"pip install -e {shlex.quote(extras)} && python -m launch.main {main_flags}")
   if METHOD.value == "xpk":
     verb = "create-pathways" if PATHWAYS.value else "create"
     return [f"xpk workload {verb} --cluster={CLUSTER.value} --workload={NAME.value} --tpu-type={acc} "
@@ -76,9 +77,11 @@ def main(argv):
     print("rlax: tpu: the config needs a `plan` section with topology/num_slices (configs/paper_qwq32b.py)",
           file=sys.stderr)
     sys.exit(2)
-  path = CONFIG_ARG.value or flags.FLAGS["config"].serialize().split("=", 1)[1]
+  main_args = config_args()  # --config and its overrides reach the hosts' launch.main
+  if CONFIG_ARG.value:
+    main_args["config"] = CONFIG_ARG.value
   try:
-    cmds = commands(c, path)
+    cmds = commands(c, main_args)
   except ValueError as e:
     print(f"rlax: tpu: {e}", file=sys.stderr)
     sys.exit(2)

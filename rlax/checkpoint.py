@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 import warnings
 from typing import Any, Mapping
@@ -66,7 +67,7 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str, keep: int = 3, every_steps: int | None = None,
-               every_seconds: float | None = None, async_save: bool = True):
+               every_seconds: float | None = None, async_save: bool = True, processes: set[int] | None = None):
     if keep < 1:
       raise ValueError(f"Checkpointer keep={keep}: must keep at least one checkpoint")
     for name, v in (("every_steps", every_steps), ("every_seconds", every_seconds)):
@@ -75,8 +76,15 @@ class Checkpointer:
     self.directory = str(directory)
     self.every_steps, self.every_seconds = every_steps, every_seconds
     # cleanup_tmp_directories: a crash mid-save leaves `<step>.orbax-checkpoint-tmp`; drop it on start.
+    # processes: the job's processes that hold the checkpointed arrays (default: all of them); in a
+    # multi-process run only the trainer's process saves, without barriers on the others.
+    mp = (ocp.options.MultiprocessingOptions(primary_host=min(processes), active_processes=set(processes))
+          if processes else ocp.options.MultiprocessingOptions())
+    if processes:
+      os.makedirs(self.directory, exist_ok=True)  # orbax will not create it for a subset of processes
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                           cleanup_tmp_directories=True)
+                                           cleanup_tmp_directories=True, multiprocessing_options=mp,
+                                           create=not processes)
     self._mgr = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})

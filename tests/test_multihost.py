@@ -13,13 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from launch import _mh_worker
+from harness import mh_worker
 from launch._supervisor import Supervisor
 from rlax import models as M
 from rlax import multihost
 from rlax.topology import build_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "harness", "mh_worker.py")
 
 
 def _bits(x):
@@ -28,10 +29,10 @@ def _bits(x):
 
 def _single_process_push(steps=0):
   """The same updates and push as the 2-process job, with both roles in this process's 8 devices."""
-  cfg = _mh_worker.tiny_model()
-  topo = build_topology(_mh_worker.topology_config(4))
+  cfg = mh_worker.tiny_model()
+  topo = build_topology(mh_worker.topology_config(4))
   params = M.create_params(cfg, topo.trainer_mesh, seed=0)
-  update = jax.jit(_mh_worker.stand_in_update)
+  update = jax.jit(mh_worker.stand_in_update)
   for _ in range(steps):
     params = update(params)
   dst = M.param_shardings(cfg, topo.sampler_mesh)
@@ -48,7 +49,7 @@ def test_push_in_one_process_is_exact_and_lands_on_sampler_shardings():
 
 
 def test_push_rejects_unequal_or_overlapping_meshes():
-  cfg = _mh_worker.tiny_model()
+  cfg = mh_worker.tiny_model()
   topo = build_topology(dict(slice_size=2, trainer_slices=1, sampler_slices=3))
   with pytest.raises(ValueError, match="equal device counts per role"):
     multihost.CrossMeshPush(topo.trainer_mesh, topo.sampler_mesh, M.param_shardings(cfg, topo.sampler_mesh))
@@ -60,7 +61,7 @@ def test_push_rejects_unequal_or_overlapping_meshes():
 def _run_job(tmp_path, worker_args, max_restarts=0, timeout=240):
   cmd = [sys.executable, "-m", "launch.multihost", "--num_processes=2", f"--max_restarts={max_restarts}",
          f"--process_logs={tmp_path}/logs", f"--pid_file={tmp_path}/pids.json", "--",
-         sys.executable, "-m", "launch._mh_worker", *worker_args]
+         sys.executable, WORKER, *worker_args]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each worker sets its own 4 devices
   return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

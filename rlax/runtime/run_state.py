@@ -13,6 +13,9 @@ import dataclasses
 import os
 from typing import Any, Optional
 
+import jax
+import numpy as np
+
 from rlax import config as config_lib
 from rlax.checkpoint import Checkpointer, IncompatibleCheckpointError, abstract_like, to_json
 from rlax.rollout import Rollout, empty_batch
@@ -35,12 +38,16 @@ class RunState:
   def __init__(self, run: config_lib.RunConfig, prompt_len: int):
     ck = run.checkpoint
     self.run = run
+    solo = {jax.process_index()} if jax.process_count() > 1 else None  # the trainer's process saves alone
     self.ckpt = Checkpointer(os.path.join(run.workdir, "checkpoints"), keep=ck.keep,
-                             every_steps=ck.every_steps or None, every_seconds=ck.every_seconds or None)
+                             every_steps=ck.every_steps or None, every_seconds=ck.every_seconds or None,
+                             processes=solo)
     # Deterministic mode regenerates nothing on resume: the rollouts generated ahead are saved.
     self.n_pending = run.controller.max_staleness if run.deterministic else 0
     self._template = empty_batch(run.rollout.rows, prompt_len, run.rollout.max_new_tokens)
     self._model = to_json(run.model)
+    # Orbax refuses arrays that one process of a multi-process job holds whole: save them from the host.
+    self._via_host = jax.process_count() > 1
 
   def _tree(self, state: Any, pending: list[Any]) -> dict:
     return {"train": state, "pending": list(pending) + [self._template] * (self.n_pending - len(pending))}
@@ -60,14 +67,21 @@ class RunState:
                         for r in pending],
             "history": history, "eval_before": eval_before, "config": config_lib.to_dict(self.run),
             "model": self._model}
+    if self._via_host:
+      state = jax.device_get(state)
     self.ckpt.save(step, self._tree(state, [r.data for r in pending]), meta, force=True)
 
   def restore(self, state_like: Any) -> Optional[Resume]:
     """The newest readable checkpoint restored onto `state_like`'s shardings, or None when there is none."""
-    got = self.ckpt.restore_latest(abstract_like(self._tree(state_like, [self._template] * self.n_pending)))
+    target = abstract_like(state_like)
+    if self._via_host:
+      target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), target)
+    got = self.ckpt.restore_latest(self._tree(target, [self._template] * self.n_pending))
     if got is None:
       return None
     step, tree, meta = got
+    if self._via_host:
+      tree["train"] = jax.device_put(tree["train"], jax.tree.map(lambda x: x.sharding, state_like))
     if meta.get("model") != self._model:
       raise IncompatibleCheckpointError(f"checkpoint step {step} was written for model {meta.get('model')}, "
                                         f"this run's model is {self._model}")

@@ -1,6 +1,6 @@
-"""One process of the multi-process CPU job (started by `launch.multihost`); trainer on process 0, sampler on 1.
+"""One process of a 2-process CPU test job (started by `launch.multihost`); trainer on process 0, sampler on 1.
 
-  python -m launch.multihost --num_processes=2 -- python -m launch._mh_worker --mode=push --out=/tmp/w.npz
+  python -m launch.multihost --num_processes=2 -- python tests/harness/mh_worker.py --mode=push --out=/tmp/w.npz
 
 --mode=push: process 0 creates a tiny model's parameters on the trainer mesh and pushes them once;
   process 1 saves what it received (bf16 as uint16 bits) to --out.
@@ -15,12 +15,14 @@ import time
 
 from absl import app, flags
 
+from launch.flags_util import define_cpu_devices
+
 MODE = flags.DEFINE_enum("mode", "push", ["push", "steps"], "What the job does.")
 OUT = flags.DEFINE_string("out", "", "push mode: where process 1 saves the received weights (.npz).")
 WORKDIR = flags.DEFINE_string("workdir", "", "steps mode: checkpoint and progress directory.")
 STEPS = flags.DEFINE_integer("steps", 10, "steps mode: number of updates.")
 STEP_S = flags.DEFINE_float("step_s", 0.2, "steps mode: sleep per step (gives a test time to kill one).")
-CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 4, "Fake CPU devices per process.")
+CPU_DEVICES = define_cpu_devices(4)
 SEED = flags.DEFINE_integer("seed", 0, "Parameter seed.")
 
 

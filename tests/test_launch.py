@@ -1,0 +1,146 @@
+"""launch/: each entry point runs (--help or a cheap call), optional extras fail in one line, flags are defined once."""
+
+import ast
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = os.path.join(ROOT, "launch")
+
+
+def _tree(path):
+  with open(path) as f:
+    return ast.parse(f.read())
+
+
+def _calls(tree):
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call):
+      yield (node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")), node
+
+
+def _defines(tree) -> set[str]:
+  """Names of the flags DEFINE'd in a module's source (absl or ml_collections)."""
+  return {n.args[0].value for name, n in _calls(tree) if name.startswith("DEFINE_") and n.args
+          and isinstance(n.args[0], ast.Constant)}
+
+
+def _flag_helpers() -> dict[str, set[str]]:
+  """flags_util's functions -> the flags each defines."""
+  tree = _tree(os.path.join(LAUNCH, "flags_util.py"))
+  return {f.name: _defines(f) for f in tree.body if isinstance(f, ast.FunctionDef) and _defines(f)}
+
+
+def _modules():
+  return {os.path.basename(p): _tree(p) for p in sorted(glob.glob(os.path.join(LAUNCH, "*.py")))}
+
+
+def _entry_points():
+  return sorted(name[:-3] for name, tree in _modules().items()
+                if any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in tree.body))
+
+
+def _run(*args, env=None, timeout=120):
+  return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                        env=env)
+
+
+def test_no_flag_is_defined_in_two_launch_modules():
+  where: dict[str, list[str]] = {}
+  for name, tree in _modules().items():
+    for flag in _defines(tree):
+      where.setdefault(flag, []).append(name)
+  twice = {f: m for f, m in where.items() if len(m) > 1}
+  assert not twice, f"define these once in launch/flags_util.py: {twice}"
+  assert where["cpu_devices"] == ["flags_util.py"] and where["config"] == ["flags_util.py"]
+
+
+_HELP = ["fault_inject", "main", "make_data", "multihost", "plan", "tpu", "xm_launch"]
+
+
+def test_every_entry_point_has_a_check_here():
+  assert _entry_points() == sorted(set(_HELP) | {"gen_build"})
+
+
+@pytest.mark.parametrize("module", _HELP)
+def test_help_lists_the_entry_points_flags(module):
+  r = _run("-m", f"launch.{module}", "--help")
+  assert r.returncode == 0, r.stderr[-2000:]
+  tree = _modules()[f"{module}.py"]
+  helpers = _flag_helpers()
+  want = _defines(tree).union(*(helpers.get(name, set()) for name, _ in _calls(tree)))
+  assert want
+  for flag in want:
+    assert f"--{flag}:" in r.stdout or f"--[no]{flag}:" in r.stdout, (flag, r.stdout)
+
+
+def test_gen_build_prints_a_target_per_entry_point():
+  r = _run("-m", "launch.gen_build")
+  assert r.returncode == 0, r.stderr[-2000:]
+  for module in _entry_points():
+    assert f'name = "launch_{module}"' in r.stdout
+  assert 'name = "launch_flags_util"' not in r.stdout  # shared code goes into the `launch` library
+
+
+def test_make_data_writes_records(tmp_path):
+  out = tmp_path / "x.jsonl"
+  r = _run("-m", "launch.make_data", "--task=arithmetic", "--n=5", f"--out={out}")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert len([json.loads(l) for l in out.read_text().splitlines()]) == 5
+  r = _run("-m", "launch.make_data", "--task=arithmetic")
+  assert r.returncode == 2 and r.stderr.strip() == (
+      "rlax: bad command line: flag --out=None: Flag --out must have a value other than None.")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("xmanager") is not None, reason="the xmanager extra is installed")
+def test_xm_launch_without_the_extra_says_so_in_one_line():
+  r = _run("-m", "launch.xm_launch", "--config=configs/demo.py", "--sweep=optimizer.lr=1e-3,3e-3")
+  assert r.returncode == 2 and r.stderr.strip() == (
+      "rlax: xm_launch: xmanager is not installed; install the optional extra in its own venv: "
+      "pip install -e '.[xmanager]'")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="the tpu extra is installed")
+def test_plan_without_the_tpu_extra_says_so_in_one_line():
+  r = _run("-m", "launch.plan", "--config=configs/paper_qwq32b.py", timeout=300)
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert "Traceback" not in r.stderr
+  last = r.stderr.strip().splitlines()[-1]
+  assert last.startswith("rlax: plan: bad config: plan.topology='v5p:8x8x8'") and "`tpu` extra" in last
+
+
+_APPLY = """
+import jax
+from absl import flags
+from launch import flags_util
+flags_util.define_cpu_devices()
+flags.FLAGS(["x", "--cpu_devices=3"])
+flags_util.apply_cpu_devices()
+print(jax.config.jax_num_cpu_devices)
+"""
+
+
+@pytest.mark.parametrize("env, want", [({}, 3), ({"JAX_PLATFORMS": "tpu"}, -1), ({"RLAX_PROCESS_ID": "0"}, -1)])
+def test_apply_cpu_devices_leaves_accelerators_and_multihost_jobs_alone(env, want):
+  base = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "RLAX_PROCESS_ID")}
+  r = _run("-c", _APPLY, env={**base, **env})
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert int(r.stdout.split()[-1]) == want
+
+
+def test_config_overrides_reach_the_launched_jobs():
+  r = _run("-m", "launch.tpu", "--config=configs/v5p_128.py", "--method=xpk", "--cluster=k",
+           "--config.rollout.max_new_tokens=100", "--config.deterministic=true")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert ("launch.main --config=configs/v5p_128.py --config.rollout.max_new_tokens=100 --config.deterministic=true"
+          in r.stdout)
+  from launch import xm_launch
+  assert xm_launch.job_args("c.py", "optimizer.lr=1,2", {"config.seed": "3"}) == [
+      {"config": "c.py", "config.seed": "3", "config.optimizer.lr": "1"},
+      {"config": "c.py", "config.seed": "3", "config.optimizer.lr": "2"}]
