@@ -54,7 +54,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       dynamic_sampling=False,
   ))
 
-  c.param_server = ml_collections.ConfigDict(dict(bucket="per_layer", bucket_bytes=0))
+  c.param_server = ml_collections.ConfigDict(dict(bucket="whole", bucket_bytes=0))  # or per_layer, bytes
 
   # prompt_style: "instruct" (the task's own prompt, answer in <answer> tags) or "compact"
   # (arithmetic only: "12+34=" → "46"); ops: keep arithmetic problems using only these operators.

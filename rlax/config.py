@@ -84,7 +84,7 @@ class ControllerConfig:
 @dataclasses.dataclass(frozen=True)
 class WeightsConfig:
   """Trainer → sampler weight push: bucketing of the device-to-device transfer."""
-  bucket: str = "per_layer"      # "whole", "per_layer" or "bytes" (with bucket_bytes)
+  bucket: str = "whole"          # "whole", "per_layer" or "bytes" (with bucket_bytes)
   bucket_bytes: int = 0
 
 
@@ -234,8 +234,8 @@ def load(cd: Any) -> RunConfig:
     raise ValueError(f"model.{bad[0]} is not a config field; model has preset, overrides")
   try:
     model_cfg = models.preset(model.get("preset", "w1"), **dict(_plain(model.get("overrides", {})) or {}))
-  except TypeError as e:  # an unknown override reaches the dataclass constructor
-    raise ValueError(f"model.overrides: {e}") from None
+  except (TypeError, ValueError) as e:  # an unknown preset, override or value
+    raise ValueError(f"model: {e}") from None
   algo = dict(_plain(top.get("algorithm", {})))
   name = algo.pop("name", "grpo")
   overrides = dict(_plain(algo.pop("overrides", {})) or {})
@@ -245,8 +245,8 @@ def load(cd: Any) -> RunConfig:
                      "entropy_coef, overrides")
   try:
     algorithm = algorithms.get_algorithm(name, **{**algo, **overrides})
-  except TypeError as e:
-    raise ValueError(f"algorithm.overrides: {e}") from None
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"algorithm: {e}") from None
   faults = dict(_plain(top.get("faults", {})) or {})
   bad = sorted(set(faults) - {"lose_slice_at", "restore_slice_at"})
   if bad:

@@ -6,9 +6,10 @@
 The devices come from `jax.experimental.topologies.get_topology_desc(c.plan.topology, "tpu",
 num_slices=...)` (needs the `tpu` extra: jax[tpu] / libtpu; no TPU attached), or from the local backend
 when `c.plan.topology` is "local" (tests use 8 fake CPU devices). Either way they go through the same
-`build_topology` the runtime uses, and the same objects build the programs: `Trainer`'s jitted RL step,
-the sampler engine's prefill and decode chunk, and `CrossMeshPush`'s three parts. Each program is lowered
-with ShapeDtypeStructs carrying its mesh's shardings and compiled; `memory_analysis()` gives per-chip
+`build_topology` the runtime uses, and the same objects build the programs through their public lowerings
+only (`Trainer.abstract_state` / `abstract_batch` / `lower_step`, `Sampler.abstract_params` / `lower_prefill`
+/ `lower_decode`, `CrossMeshPush.lowered`), so the plan cannot drift from the runtime's layouts. Each program
+is lowered with ShapeDtypeStructs carrying its mesh's shardings and compiled; `memory_analysis()` gives per-chip
 bytes and `cost_analysis()` per-chip FLOPs and bytes accessed. Times are a roofline estimate,
 max(flops / peak, bytes / HBM bandwidth), i.e. perfect overlap and full MXU use: a lower bound.
 The weight push time is a bandwidth model (bytes per chip over ICI/DCN bandwidth), not a measurement.
@@ -24,17 +25,17 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from rlax import builders
+from rlax import config as config_lib
 from rlax import models as M
 from rlax.multihost import CrossMeshPush, transport_spec
+from rlax.sampler import Sampler, Temperature
 from rlax.topology import Topology, build_topology
-from rlax.trainer import RolloutBatch, Trainer, TrainState
+from rlax.trainer import Trainer
 
 GIB = 2 ** 30
-_I32 = jax.ShapeDtypeStruct((), jnp.int32)  # scalar args as abstract values: no eager op on abstract devices
 
 
 class PlanError(ValueError):
@@ -135,101 +136,48 @@ def _no_fit(name: str, need: float, chip: Chip, what: str, knob: str) -> str:
           f"(over by {(need - chip.hbm_bytes) / GIB:.3g} GiB; {what}); try {knob}")
 
 
-def _sds(shape, dtype, sharding):
-  return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+def build_sampler(c: config_lib.RunConfig, mesh: Mesh) -> Sampler:
+  """The sampler engine on `mesh` with one prompt bucket (max_prompt_len) and one batch bucket (plan.sampler_batch).
+
+  No memory budget: the plan measures memory from the compiled programs instead.
+  """
+  r = c.rollout
+  return Sampler(c.model, mesh, max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
+                 batch_buckets=(c.plan.sampler_batch,), prompt_buckets=(r.max_prompt_len,), eos_id=0,
+                 decode_chunk=r.decode_chunk or None, memory_budget_bytes=1 << 62)
 
 
-def _rows(mesh, shape, dtype):
-  n = mesh.shape["data"] * mesh.shape["fsdp"]
-  axes = ("data", "fsdp") if shape[0] % n == 0 else None
-  return _sds(shape, dtype, NamedSharding(mesh, P(axes, *([None] * (len(shape) - 1)))))
-
-
-def abstract_params(cfg: M.ModelConfig, mesh) -> Any:
-  """Parameter tree of ShapeDtypeStructs on `mesh`'s parameter shardings (nothing allocated)."""
-  shapes = jax.eval_shape(lambda: M.init_params(cfg, jax.random.key(0)))
-  return jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), shapes, M.param_shardings(cfg, mesh))
-
-
-def abstract_train_state(trainer: Trainer) -> TrainState:
-  """TrainState of ShapeDtypeStructs laid out as `Trainer.init_state` lays them out."""
-  mesh, cfg = trainer.mesh, trainer.model_cfg
-  params = abstract_params(cfg, mesh)
-  shard = M.param_shardings(cfg, mesh)
-  rep = NamedSharding(mesh, P())
-  opt = jax.eval_shape(trainer.tx.init, params)
-  opt_sh = optax.tree_map_params(trainer.tx, lambda _, s: s, opt, shard, transform_non_params=lambda _: rep)
-  opt = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), opt, opt_sh)
-  return TrainState(step=_sds((), jnp.int32, rep), params=params, opt_state=opt)
-
-
-def abstract_rollout_batch(mesh, rows: int, seq: int, with_ref: bool) -> RolloutBatch:
-  """RolloutBatch of ShapeDtypeStructs, rows sharded over ('data', 'fsdp') as `Trainer.step` puts them."""
-  f = lambda shape, dt: _rows(mesh, shape, dt)
-  return RolloutBatch(tokens=f((rows, seq), jnp.int32), input_mask=f((rows, seq), jnp.bool_),
-                      loss_mask=f((rows, seq - 1), jnp.float32),
-                      behaviour_logprobs=f((rows, seq - 1), jnp.float32), rewards=f((rows,), jnp.float32),
-                      versions=f((rows,), jnp.int32), group_ids=f((rows,), jnp.int32),
-                      ref_logprobs=f((rows, seq - 1), jnp.float32) if with_ref else None)
-
-
-def trainer_program(c, topo: Topology, cfg: M.ModelConfig, chip: Chip):
-  """The runtime's `Trainer` RL step lowered for one global batch on the trainer mesh.
+def trainer_program(c: config_lib.RunConfig, trainer: Trainer, chip: Chip) -> jax.stages.Lowered:
+  """`trainer`'s RL step lowered for one global batch (the rollout's packed shape).
 
   Fails fast (before a compile that takes minutes at 32B) when the train state alone exceeds HBM.
   """
   r = c.rollout
-  trainer = Trainer(cfg, builders.algorithm(c), builders.optimizer(c, c.controller.steps), topo.trainer_mesh,
-                    group_size=r.samples_per_prompt, micro_batches=c.optimizer.micro_batches,
-                    micro_batch_tokens=c.optimizer.micro_batch_tokens, temperature=r.temperature)
-  rows = r.prompts_per_step * r.samples_per_prompt
-  if rows % c.optimizer.micro_batches:
-    raise ValueError(f"{rows} rollout rows do not split into optimizer.micro_batches={c.optimizer.micro_batches}")
-  batch = abstract_rollout_batch(topo.trainer_mesh, rows, r.max_prompt_len + r.max_new_tokens,
-                                 c.algorithm.kl_coef > 0)
-  state = abstract_train_state(trainer)  # outside the mesh context: it runs eager optax init code
+  rows = r.rows
+  # Rollouts are packed with the prompt in the first max_prompt_len slots (rollout.pack).
+  batch = trainer.abstract_batch(rows, r.max_prompt_len + r.max_new_tokens, with_ref=c.algorithm.kl_coef > 0,
+                                 prompt_len=r.max_prompt_len)
+  state = trainer.abstract_state()
   resident = sum(_shard_bytes(x) for x in jax.tree.leaves(state))
   if resident > chip.hbm_bytes:
     raise PlanError(_no_fit("trainer_step", resident, chip, "params + optimizer state alone",
                             "more FSDP (topology.trainer_mesh.fsdp) or more trainer slices"))
-  with jax.set_mesh(topo.trainer_mesh):
-    return trainer._rl.lower(state, batch)  # the exact jit the runtime calls
+  return trainer.lower_step(state, batch)
 
 
-def sampler_programs(c, topo: Topology, cfg: M.ModelConfig, chip: Chip) -> dict[str, Any]:
-  """Thunks lowering the sampler engine's prefill and decode chunk for `c.plan.sampler_batch` rows.
-
-  The adapter between the plan and `rlax.sampler.Sampler`: it builds the engine with one prompt bucket
-  (max_prompt_len) and one batch bucket, and lowers the engine's own jitted prefill and decode chunk.
-  """
-  from rlax.sampler import Sampler, Temperature
-  r, mesh = c.rollout, topo.sampler_mesh
-  B, G, Pl, N = c.plan.sampler_batch, r.samples_per_prompt, r.max_prompt_len, r.max_new_tokens
+def sampler_programs(c: config_lib.RunConfig, sampler: Sampler, chip: Chip) -> dict[str, Any]:
+  """Thunks lowering `sampler`'s prefill and decode chunk for `c.plan.sampler_batch` rows."""
+  r = c.rollout
+  B, G = c.plan.sampler_batch, r.samples_per_prompt
   if B % G:
     raise ValueError(f"plan.sampler_batch={B} is not a multiple of rollout.samples_per_prompt={G}")
-  eng = Sampler(cfg, mesh, max_prompt_len=Pl, max_new_tokens=N, batch_buckets=(B,), prompt_buckets=(Pl,),
-                eos_id=0, decode_chunk=r.decode_chunk or None, memory_budget_bytes=1 << 62)
-  resident = eng.memory["params"] + eng.memory["cache"]  # the engine's own accounting
+  resident = sampler.memory["params"] + sampler.memory["cache"]  # the engine's own accounting
   if resident > chip.hbm_bytes:
     raise PlanError(_no_fit("sampler_decode", resident, chip, "params + KV cache alone",
                             f"{_KNOBS['sampler_decode'][0]} or {_KNOBS['sampler_decode'][1]}"))
   strategy = Temperature(r.temperature)
-  params = abstract_params(cfg, mesh)
-  spec = lambda shape, dt: _sds(shape, dt, eng._batch_spec(len(shape)))
-  key_dt = jax.eval_shape(lambda: jax.random.key(0)).dtype
-
-  def prefill():
-    with jax.set_mesh(mesh):
-      return eng._prefill.lower(params, spec((B // G, Pl), jnp.int32), spec((B // G, Pl), jnp.bool_),
-                                spec((B,), key_dt), _I32, spec((B,), jnp.bool_), samples=G, strategy=strategy)
-
-  def decode(compiled_prefill):
-    """Decode chunk lowered on the state the compiled prefill outputs (its shapes and shardings)."""
-    state = jax.tree.map(lambda o, sh: _sds(o.shape, o.dtype, sh), compiled_prefill.out_info,
-                         compiled_prefill.output_shardings)
-    with jax.set_mesh(mesh):
-      return eng._chunk.lower(params, state, _I32, _I32, strategy=strategy)
-  return {"sampler_prefill": prefill, "sampler_decode": decode}
+  return {"sampler_prefill": lambda: sampler.lower_prefill(B // G, r.max_prompt_len, G, strategy),
+          "sampler_decode": lambda compiled_prefill: sampler.lower_decode(compiled_prefill, strategy)}
 
 
 def _analyze(name: str, mesh_desc: str, lower, chip: Chip, extra_s: float = 0.0) -> tuple[Program, Any]:
@@ -257,20 +205,19 @@ def _per_chip_bytes(shapes, shardings) -> int:
              for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)))
 
 
-def push_estimate(cfg: M.ModelConfig, topo: Topology, chip: Chip, cross_dcn: bool) -> dict[str, float]:
+def push_estimate(trainer: Trainer, sampler: Sampler, chip: Chip, cross_dcn: bool) -> dict[str, float]:
   """Bandwidth model of one trainer → sampler push (CrossMeshPush's three phases, no overlap).
 
   transport: trainer chips reshard to unique 1/n pieces over ICI; cross: each piece crosses once, over DCN
   when the roles sit on different slices (else ICI); gather: sampler chips all-gather their own shards
-  over ICI. Bytes are in the sampler dtype.
+  over ICI. Bytes are in the sampler dtype, as `sampler.abstract_params()` holds them.
   """
-  shapes = jax.eval_shape(lambda: M.init_params(cfg, jax.random.key(0)))
-  shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, cfg.jnp_dtype), shapes)
-  mesh = topo.sampler_mesh
-  total = sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
-  tr = [NamedSharding(mesh, transport_spec(s.shape, dict(mesh.shape))) for s in jax.tree.leaves(shapes)]
-  piece = _per_chip_bytes(jax.tree.leaves(shapes), tr)
-  shard = _per_chip_bytes(shapes, M.param_shardings(cfg, mesh))
+  dst = jax.tree.leaves(sampler.abstract_params())
+  mesh = sampler.mesh
+  total = sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in dst)
+  tr = [NamedSharding(mesh, transport_spec(s.shape, dict(mesh.shape))) for s in dst]
+  piece = _per_chip_bytes(dst, tr)
+  shard = sum(_shard_bytes(s) for s in dst)
   link = chip.dcn_bw if cross_dcn else chip.ici_bw
   t = dict(transport_s=piece / chip.ici_bw, cross_s=piece / link, gather_s=max(shard - piece, 0) / chip.ici_bw)
   return dict(total_bytes=total, per_chip_transport_bytes=piece, per_chip_sampler_bytes=shard,
@@ -286,36 +233,43 @@ def model_flops(cfg: M.ModelConfig, tokens: int, context: int) -> float:
 
 
 def make_plan(c) -> dict[str, Any]:
-  """Builds, compiles and measures every program of config `c` on its plan topology; returns the table.
+  """Builds, compiles and measures every program of config `c` (a RunConfig or the user's ConfigDict) on its
+  plan topology; returns the table.
 
   Raises PlanError (one line) as soon as a program's per-chip peak exceeds the chip's HBM.
   """
+  c = c if isinstance(c, config_lib.RunConfig) else config_lib.load(c)
+  if c.plan is None:
+    raise ValueError("the config has no `plan` section (see configs/paper_qwq32b.py)")
   chip = Chip.from_config(c.plan)
-  cfg = builders.model_config(c)
+  cfg = c.model
   devices = plan_devices(c.plan)
   topo = build_topology(c.topology, devices=devices)
   desc_t, desc_s = _mesh_desc(topo.trainer_mesh), _mesh_desc(topo.sampler_mesh)
-  progs = [_analyze("trainer_step", desc_t, lambda: trainer_program(c, topo, cfg, chip), chip)[0]]
-  sampler_topo = dataclasses.replace(topo, sampler_mesh=on_first_slices(topo.sampler_mesh, devices))
-  sp = sampler_programs(c, sampler_topo, cfg, chip)
+  trainer = builders.trainer(c, topo.trainer_mesh)  # the runtime's own builder
+  progs = [_analyze("trainer_step", desc_t, lambda: trainer_program(c, trainer, chip), chip)[0]]
+  sampler = build_sampler(c, topo.sampler_mesh)
+  sp = sampler_programs(c, build_sampler(c, on_first_slices(topo.sampler_mesh, devices)), chip)
   prog, compiled_prefill = _analyze("sampler_prefill", desc_s, sp["sampler_prefill"], chip)
   progs.append(prog)
   progs.append(_analyze("sampler_decode", desc_s, lambda: sp["sampler_decode"](compiled_prefill), chip)[0])
   if not topo.colocated:
-    push = CrossMeshPush(topo.trainer_mesh, topo.sampler_mesh, M.param_shardings(cfg, topo.sampler_mesh),
+    target = sampler.abstract_params()  # the layout and dtype the sampler holds its weights in
+    push = CrossMeshPush(topo.trainer_mesh, topo.sampler_mesh, jax.tree.map(lambda x: x.sharding, target),
                          dtype=cfg.jnp_dtype)
     t0 = time.perf_counter()
-    parts = push.lowered(abstract_params(cfg, topo.trainer_mesh), compile_mesh=lambda m: on_first_slices(m, devices))
+    parts = push.lowered(trainer.abstract_state().params, compile_mesh=lambda m: on_first_slices(m, devices))
     lower_s = (time.perf_counter() - t0) / len(parts)  # lowering is shared; split it evenly
     meshes = {"push_to_transport": push.mirror, "push_cross": push.global_mesh, "push_to_sampler": topo.sampler_mesh}
     for name, lowered in parts.items():
       progs.append(_analyze(name, _mesh_desc(meshes[name]), lambda: lowered, chip, extra_s=lower_s)[0])
-  return _table(c, chip, cfg, topo, progs, devices)
+  return _table(c, chip, cfg, topo, progs, devices, trainer, sampler)
 
 
-def _table(c, chip: Chip, cfg: M.ModelConfig, topo: Topology, progs: list[Program], devices) -> dict[str, Any]:
+def _table(c, chip: Chip, cfg: M.ModelConfig, topo: Topology, progs: list[Program], devices, trainer: Trainer,
+           sampler: Sampler) -> dict[str, Any]:
   r = c.rollout
-  rows = r.prompts_per_step * r.samples_per_prompt
+  rows = r.rows
   seq = r.max_prompt_len + r.max_new_tokens
   by = {q.name: q for q in progs}
   n_tr, n_sa = topo.trainer_mesh.devices.size, topo.sampler_mesh.devices.size
@@ -333,9 +287,9 @@ def _table(c, chip: Chip, cfg: M.ModelConfig, topo: Topology, progs: list[Progra
   step_s = by["trainer_step"].roofline_s(chip)
   decode_s = by["sampler_decode"].roofline_s(chip)
   prefill_s = by["sampler_prefill"].roofline_s(chip)
-  push = push_estimate(cfg, topo, chip, cross_dcn and not topo.colocated)
+  push = push_estimate(trainer, sampler, chip, cross_dcn and not topo.colocated)
   table = dict(
-      config=dict(model=c.model.preset, params=cfg.num_params(), devices=len(devices),
+      config=dict(model=c.model_preset, params=cfg.num_params(), devices=len(devices),
                   topology=f"{c.plan.topology} x {c.plan.num_slices}", chip=chip.name,
                   trainer_mesh=dict(topo.trainer_mesh.shape), sampler_mesh=dict(topo.sampler_mesh.shape),
                   batch_rows=rows, seq_len=seq, micro_batches=c.optimizer.micro_batches,

@@ -180,3 +180,11 @@ def test_xm_launcher_sweep_and_missing_extra():
     assert r.returncode == 2 and r.stderr.strip() == (
         "rlax: xm_launch: xmanager is not installed; install the optional extra in its own venv: "
         "pip install -e '.[xmanager]'")
+
+
+def test_planner_uses_only_public_lowerings():
+  """No private attribute of the trainer or sampler is read: a runtime layout change cannot stale the plan."""
+  import inspect
+  import re
+  src = inspect.getsource(planning)
+  assert not re.search(r"\b(trainer|sampler|eng)\._", src), re.findall(r"\b(?:trainer|sampler|eng)\._\w+", src)

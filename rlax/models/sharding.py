@@ -81,6 +81,25 @@ def spec_for(logical: Sequence[str | None], shape: Sequence[int], mesh_shape: di
   return P(*out)
 
 
+def batch_sharding(mesh: Mesh, rows: int, ndim: int = 1) -> NamedSharding:
+  """Sharding of a [rows, ...] array whose first dimension is the logical 'batch' axis (`RULES`).
+
+  The one place that decides how rows split: the trainer's batch, the sampler's
+  rows and the micro-batch / prefill row counts all derive from it.
+  """
+  return NamedSharding(mesh, spec_for(("batch",) + (None,) * (ndim - 1), (rows,) + (1,) * (ndim - 1),
+                                      dict(mesh.shape)))
+
+
+def row_shards(mesh: Mesh | None, rows: int) -> int:
+  """How many ways `batch_sharding(mesh, rows)` splits the rows (1 without a mesh)."""
+  if mesh is None:
+    return 1
+  axes = batch_sharding(mesh, rows).spec[0]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+
+
 def tree_shardings(shapes: Any, axes: Any, mesh: Mesh, rules=RULES) -> Any:
   """NamedShardings for a tree of arrays/ShapeDtypeStructs given a matching tree of logical names."""
   mesh_shape = dict(mesh.shape)

@@ -28,10 +28,8 @@ from typing import Any, Callable, Optional
 
 from absl import logging
 import jax
-from jax.sharding import NamedSharding
 
 from rlax import builders
-from rlax import models
 from rlax.config import RunConfig
 from rlax.rollout import Rollout
 from rlax.runtime.run_state import Resume
@@ -43,14 +41,6 @@ class SlicesReturned(RuntimeError):
 
 
 TopologyChange = (SliceLostError, SlicesReturned)
-
-
-def respec(x: Any, mesh) -> jax.ShapeDtypeStruct:
-  """A restore target for array `x` with its NamedSharding's spec moved onto `mesh`."""
-  sh = x.sharding
-  if isinstance(sh, NamedSharding):
-    sh = NamedSharding(mesh, sh.spec)
-  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
 
 
 class Faults:
@@ -150,7 +140,7 @@ def recover(run: RunConfig, parts: builders.Components, faults: Faults, err: Bas
   new = builders.components(run, topo, reuse=parts)
   from_step, history = step, None
   if new.trainer is not parts.trainer:
-    resume = restore(jax.tree.map(lambda x: respec(x, topo.trainer_mesh), state))
+    resume = restore(new.trainer.abstract_state())  # the new mesh's own layout
     faults.forget_versions()
     if resume is None:
       raise RuntimeError(f"trainer slices {sorted(lost & set(old.assignment.trainer))} lost at step {step} "
@@ -158,7 +148,7 @@ def recover(run: RunConfig, parts: builders.Components, faults: Faults, err: Bas
     step, state, kept, data_state, history = (resume.step, resume.state, resume.pending, resume.data_state,
                                                resume.history)
     if ref_params is not None:
-      ref_params = jax.device_put(ref_params, models.param_shardings(run.model, topo.trainer_mesh))
+      ref_params = jax.device_put(ref_params, new.trainer.state_shardings().params)
   elif kept:
     data_state = kept[-1].data_state
   for params, v in faults.versions_for(step + len(kept), step, state):

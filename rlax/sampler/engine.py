@@ -10,7 +10,10 @@ buckets, so a new prompt length or batch size inside a bucket reuses the
 compiled programs (`trace_counts` counts traces). Params are jit arguments, so
 `update_weights` never recompiles; a swap between decode chunks is recorded per
 token in `SampleOutput.versions` and the KV cache is recomputed under the new
-weights (see `loop.refill`).
+weights (see `loop.refill`). Weights are held in the model's compute dtype
+(`cfg.dtype`): the parameter server casts on the trainer side so fewer bytes cross.
+The planner lowers the same programs through `abstract_params`, `lower_prefill`
+and `lower_decode`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Bool, Float, Int
 
 from rlax import models as M
+from rlax.models import sharding as shd
+from rlax.models.init import abstract_params as model_params
 from rlax.sampler import loop
 from rlax.sampler.strategies import SamplingMethod, Temperature
 
@@ -117,6 +122,8 @@ class Sampler:
     self.devices = list(mesh.devices.flat) if mesh is not None else [jax.devices()[0]]
     self._param_shardings = M.param_shardings(cfg, mesh) if mesh is not None else None
     self.memory = self._check_memory(memory_budget_bytes)
+    cast = lambda p: jax.tree.map(lambda x: x.astype(cfg.jnp_dtype), p)
+    self._cast = jax.jit(cast, out_shardings=self._param_shardings) if mesh is not None else jax.jit(cast)
     self.trace_counts = collections.Counter()
     self.last_timings: dict[str, float] = {}
     self._weights = None
@@ -136,20 +143,63 @@ class Sampler:
       return fn(first, cfg, *rest, **statics, **kw)
     return call
 
-  def _batch_spec(self, ndim: int) -> Optional[NamedSharding]:
-    if self.mesh is None:
-      return None
-    logical = ("batch",) + (None,) * (ndim - 1)
-    return NamedSharding(self.mesh, M.spec_for(logical, (self.batch_size,) + (1,) * (ndim - 1),
-                                               dict(self.mesh.shape)))
+  # -- layouts and lowerings (shared by `generate` and the planner) ------------------------------------------------
+  def batch_sharding(self, ndim: int) -> Optional[NamedSharding]:
+    """Sharding of every [rows, ...] array the engine feeds its programs (None without a mesh)."""
+    return shd.batch_sharding(self.mesh, self.batch_size, ndim) if self.mesh is not None else None
 
-  def _row_shards(self) -> int:
-    """How many ways the batch rows are split over the mesh."""
+  def abstract_params(self) -> M.Params:
+    """The weights as the sampler holds them: ShapeDtypeStructs in the compute dtype on its shardings."""
+    sds = lambda s, sh=None: jax.ShapeDtypeStruct(s.shape, self.cfg.jnp_dtype, sharding=sh)
     if self.mesh is None:
-      return 1
-    axes = self._batch_spec(1).spec[0]
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    return int(np.prod([self.mesh.shape[a] for a in axes], dtype=np.int64))
+      return jax.tree.map(sds, model_params(self.cfg))
+    return jax.tree.map(sds, model_params(self.cfg), self._param_shardings)
+
+  def _padded_prompts(self, n: int, samples: int) -> int:
+    """Prefill rows (distinct prompts, padded) for n prompts x `samples`: the batch bucket, whole shards."""
+    rows = n * samples
+    fits = [b for b in self.batch_buckets if b >= rows]
+    if not fits or -(-fits[0] // samples) * samples > self.batch_size:
+      raise ValueError(f"generate: {n} prompts x {samples} samples = {rows} rows exceed batch_size "
+                       f"{self.batch_size}")
+    n_pad, shards = -(-fits[0] // samples), shd.row_shards(self.mesh, self.batch_size)
+    return -(-n_pad // shards) * shards  # the per-prompt prefill rows are sharded like the batch
+
+  def _prompt_bucket(self, longest: int) -> int:
+    if longest > self.max_prompt_len:
+      raise ValueError(f"generate: prompt of {longest} tokens exceeds max_prompt_len {self.max_prompt_len}")
+    return next(b for b in self.prompt_buckets if b >= longest)
+
+  def _abstract(self, shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=self.batch_sharding(len(shape)))
+
+  def lower_prefill(self, n_prompts: int, prompt_len: int, samples: int, strategy: SamplingMethod
+                    ) -> jax.stages.Lowered:
+    """The prefill `generate` runs for `n_prompts` prompts of up to `prompt_len` tokens x `samples`, lowered."""
+    n, L = self._padded_prompts(n_prompts, samples), self._prompt_bucket(prompt_len)
+    B = n * samples
+    key_dtype = jax.eval_shape(lambda: jax.random.key(0)).dtype
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    with self._ctx():
+      return self._prefill.lower(self.abstract_params(), self._abstract((n, L), jnp.int32),
+                                 self._abstract((n, L), jnp.bool_), self._abstract((B,), key_dtype), scalar,
+                                 self._abstract((B,), jnp.bool_), samples=samples, strategy=strategy)
+
+  def lower_decode(self, state, strategy: SamplingMethod) -> jax.stages.Lowered:
+    """The decode chunk lowered on the state a prefill returns.
+
+    state: a compiled prefill (`lower_prefill(...).compile()`: its output shapes and shardings), or a
+    DecodeState of arrays or ShapeDtypeStructs.
+    """
+    if isinstance(state, jax.stages.Compiled):
+      state = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh), state.out_info,
+                           state.output_shardings)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    with self._ctx():
+      return self._chunk.lower(self.abstract_params(), state, scalar, scalar, strategy=strategy)
+
+  def _ctx(self):
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   def _check_memory(self, budget: Optional[int]) -> dict[str, int]:
     """Per-device bytes of params + KV cache + the largest transient cache, against the budget.
@@ -165,9 +215,8 @@ class Sampler:
                                                 dict(self.mesh.shape)))
     cache = _bytes_per_device(one_layer, cfg.jnp_dtype, csh) * 2 * cfg.n_layers
     prefill = cache if self.decode_chunk else cache * self.max_prompt_len // S
-    shapes = jax.tree.leaves(M.param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))
-    shards = (jax.tree.leaves(self._param_shardings) if self.mesh is not None else [None] * len(shapes))
-    params = sum(_bytes_per_device(s, cfg.jnp_param_dtype, sh) for s, sh in zip(shapes, shards))
+    # In the compute dtype: that is what `update_weights` stores.
+    params = sum(_bytes_per_device(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(self.abstract_params()))
     budget = int(budget) if budget is not None else _detect_budget(self.devices)
     need = cache + prefill + params
     if need > budget:
@@ -177,17 +226,25 @@ class Sampler:
     return dict(cache=cache, transient=prefill, params=params, budget=budget)
 
   def update_weights(self, params: M.Params, version: int) -> None:
-    """Installs new weights (same tree/shapes/dtypes; resharded to the sampler's shardings). Thread-safe."""
+    """Installs new weights (same tree and shapes) on the sampler's shardings, in the compute dtype. Thread-safe.
+
+    Leaves in `cfg.dtype` are kept as they are (the parameter server delivers those); leaves in
+    `cfg.param_dtype` are cast by a jitted cast on the sampler mesh.
+    """
     want = M.param_shapes(self.cfg)
     if jax.tree.structure(params) != jax.tree.structure(want, is_leaf=lambda s: isinstance(s, tuple)):
       raise ValueError("update_weights: parameter tree does not match the sampler's model config")
+    ok = {self.cfg.jnp_dtype, self.cfg.jnp_param_dtype}
     for (path, x), shape in zip(jax.tree.flatten_with_path(params)[0],
                                 jax.tree.leaves(want, is_leaf=lambda s: isinstance(s, tuple))):
-      if tuple(x.shape) != tuple(shape) or x.dtype != self.cfg.jnp_param_dtype:
-        raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} is {x.dtype}{list(x.shape)}, "
-                         f"expected {self.cfg.param_dtype}{list(shape)}")
+      if tuple(x.shape) != tuple(shape) or x.dtype not in ok:
+        raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} is {x.dtype}{list(x.shape)}, expected "
+                         f"{' or '.join(sorted({self.cfg.dtype, self.cfg.param_dtype}))}{list(shape)}")
     if self.mesh is not None:
       params = jax.device_put(params, self._param_shardings)
+    if any(x.dtype != self.cfg.jnp_dtype for x in jax.tree.leaves(params)):
+      with self._ctx():
+        params = self._cast(params)
     self._weights = (params, int(version))  # one assignment: readers see old or new, never a mix
 
   @property
@@ -207,12 +264,9 @@ class Sampler:
       rows = [a[mm] for a, mm in zip(arr, m)]
     if not rows:
       raise ValueError("generate: no prompts given")
-    longest = max(len(r) for r in rows)
     if min(len(r) for r in rows) < 1:
       raise ValueError("generate: every prompt needs at least one token")
-    if longest > self.max_prompt_len:
-      raise ValueError(f"generate: prompt of {longest} tokens exceeds max_prompt_len {self.max_prompt_len}")
-    L = next(b for b in self.prompt_buckets if b >= longest)
+    L = self._prompt_bucket(max(len(r) for r in rows))
     toks = np.full((len(rows), L), self.pad_id, np.int32)
     valid = np.zeros((len(rows), L), bool)
     for i, r in enumerate(rows):
@@ -240,23 +294,17 @@ class Sampler:
     if ids.shape != (n,):
       raise ValueError(f"prompt_ids has shape {ids.shape}, expected ({n},)")
     rows = n * G
-    fits = [b for b in self.batch_buckets if b >= rows]
-    if not fits or -(-fits[0] // G) * G > self.batch_size:
-      raise ValueError(f"generate: {n} prompts x {G} samples = {rows} rows exceed batch_size {self.batch_size}")
-    n_pad = -(-fits[0] // G)
-    shards = self._row_shards()
-    n_pad = -(-n_pad // shards) * shards  # the per-prompt prefill rows are sharded like the batch
+    n_pad = self._padded_prompts(n, G)
     toks = np.concatenate([toks, np.full((n_pad - n, toks.shape[1]), self.pad_id, np.int32)])
     valid = np.concatenate([valid, np.zeros((n_pad - n, toks.shape[1]), bool)])
     ids = np.concatenate([ids, np.zeros(n_pad - n, np.int64)]).astype(np.uint32)
     B = n_pad * G
     live = np.arange(B) < rows
     sample_ids = np.tile(np.arange(G, dtype=np.uint32), n_pad)
-    put = (lambda x: jax.device_put(x, self._batch_spec(np.ndim(x)))) if self.mesh is not None else jnp.asarray
+    put = (lambda x: jax.device_put(x, self.batch_sharding(np.ndim(x)))) if self.mesh is not None else jnp.asarray
     keys = loop.row_keys(seed, step, put(np.repeat(ids, G)), put(sample_ids))
     params, ver = self._weights
-    ctx = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
-    with ctx:
+    with self._ctx():
       t0 = time.perf_counter()
       st = self._prefill(params, put(toks), put(valid), keys, np.int32(ver), put(live), samples=G,
                          strategy=strategy)

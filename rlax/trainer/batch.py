@@ -21,6 +21,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The dtype of every batch field: `check` enforces them, so that the program the planner lowers from
+# `RolloutBatch.abstract` is the one the runtime runs (a new dtype would be a new compile).
+_DTYPES = {"tokens": jnp.int32, "input_mask": jnp.bool_, "loss_mask": jnp.float32,
+           "behaviour_logprobs": jnp.float32, "rewards": jnp.float32, "versions": jnp.int32,
+           "group_ids": jnp.int32, "ref_logprobs": jnp.float32, "advantages": jnp.float32}
+
+
+def _check_dtype(kind: str, name: str, x) -> None:
+  if jnp.dtype(x.dtype) != jnp.dtype(_DTYPES[name]):
+    raise ValueError(f"{kind}.{name} has dtype {jnp.dtype(x.dtype).name}, expected {jnp.dtype(_DTYPES[name]).name}")
+
 
 @flax.struct.dataclass
 class RolloutBatch:
@@ -51,16 +62,27 @@ class RolloutBatch:
   def batch_size(self) -> int:
     return self.tokens.shape[0]
 
+  @classmethod
+  def abstract(cls, rows: int, seq: int, *, with_ref: bool = False, prompt_len: int = 0) -> "RolloutBatch":
+    """A batch of unsharded ShapeDtypeStructs: tokens [rows, seq] and the rest as in the class doc."""
+    s = lambda name, *shape: jax.ShapeDtypeStruct(shape, _DTYPES[name])
+    return cls(tokens=s("tokens", rows, seq), input_mask=s("input_mask", rows, seq),
+               loss_mask=s("loss_mask", rows, seq - 1), behaviour_logprobs=s("behaviour_logprobs", rows, seq - 1),
+               rewards=s("rewards", rows), versions=s("versions", rows), group_ids=s("group_ids", rows),
+               ref_logprobs=s("ref_logprobs", rows, seq - 1) if with_ref else None, prompt_len=prompt_len)
+
   def check(self, group_size: Optional[int] = None) -> "RolloutBatch":
-    """Raises ValueError naming the first field whose shape or dtype is wrong; returns self."""
+    """Raises ValueError naming the first field whose shape, dtype or prompt masking is wrong; returns self.
+
+    Shapes and dtypes are checked always; values only when the arrays are on the host (numpy), so a
+    batch already on devices is never pulled back.
+    """
     if self.tokens.ndim != 2:
       raise ValueError(f"RolloutBatch.tokens must be [B, T], got shape {self.tokens.shape}")
     B, T = self.tokens.shape
     if T < 2:
       raise ValueError(f"RolloutBatch.tokens needs T >= 2 (one scored token), got T={T}")
-    if not jnp.issubdtype(self.tokens.dtype, jnp.integer):
-      raise ValueError(f"RolloutBatch.tokens must be integer, got {self.tokens.dtype}")
-    want = {"input_mask": (B, T), "loss_mask": (B, T - 1), "behaviour_logprobs": (B, T - 1),
+    want = {"tokens": (B, T), "input_mask": (B, T), "loss_mask": (B, T - 1), "behaviour_logprobs": (B, T - 1),
             "rewards": (B,), "versions": (B,), "group_ids": (B,)}
     if self.ref_logprobs is not None:
       want["ref_logprobs"] = (B, T - 1)
@@ -68,12 +90,16 @@ class RolloutBatch:
       got = tuple(getattr(self, name).shape)
       if got != shape:
         raise ValueError(f"RolloutBatch.{name} has shape {got}, expected {shape} for tokens {(B, T)}")
-    if self.advantages is not None and tuple(self.advantages.shape) not in ((B,), (B, T - 1)):
-      raise ValueError(f"RolloutBatch.advantages has shape {self.advantages.shape}, expected {(B,)} or "
-                       f"{(B, T - 1)}")
+      _check_dtype("RolloutBatch", name, getattr(self, name))
+    if self.advantages is not None:
+      if tuple(self.advantages.shape) not in ((B,), (B, T - 1)):
+        raise ValueError(f"RolloutBatch.advantages has shape {self.advantages.shape}, expected {(B,)} or "
+                         f"{(B, T - 1)}")
+      _check_dtype("RolloutBatch", "advantages", self.advantages)
     if not 0 <= self.prompt_len < T:
       raise ValueError(f"RolloutBatch.prompt_len={self.prompt_len} must be in [0, {T}) for tokens {(B, T)}")
-    if self.prompt_len > 1 and np.any(np.asarray(self.loss_mask[:, :self.prompt_len - 1])):
+    if (self.prompt_len > 1 and isinstance(self.loss_mask, np.ndarray)
+        and np.any(self.loss_mask[:, :self.prompt_len - 1])):
       raise ValueError(f"RolloutBatch.loss_mask scores a position before prompt_len={self.prompt_len}")
     if group_size is not None and (group_size < 1 or B % group_size):
       raise ValueError(f"batch of {B} rows is not a whole number of groups of group_size={group_size}")
@@ -88,12 +114,14 @@ class SFTBatch:
   loss_mask: jax.Array
 
   def check(self) -> "SFTBatch":
+    """Raises ValueError naming the first field whose shape or dtype is wrong; returns self."""
     if self.tokens.ndim != 2 or self.tokens.shape[1] < 2:
       raise ValueError(f"SFTBatch.tokens must be [B, T] with T >= 2, got shape {self.tokens.shape}")
     B, T = self.tokens.shape
-    for name, shape in {"input_mask": (B, T), "loss_mask": (B, T - 1)}.items():
+    for name, shape in {"tokens": (B, T), "input_mask": (B, T), "loss_mask": (B, T - 1)}.items():
       if tuple(getattr(self, name).shape) != shape:
         raise ValueError(f"SFTBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected {shape}")
+      _check_dtype("SFTBatch", name, getattr(self, name))
     return self
 
 

@@ -2,17 +2,20 @@
 
     trainer = Trainer(model_cfg, get_algorithm("grpo"), OptimizerConfig(lr=1e-6), mesh, group_size=8)
     state = trainer.init_state(M.create_params(model_cfg, mesh))
+    batch = trainer.place(host_batch)                  # the rollout's one host -> device crossing
     batch = batch.replace(ref_logprobs=trainer.ref_logprobs(ref_params, batch))
     state, metrics = trainer.step(state, batch)        # state is donated: do not reuse the old one
 
 Parameters keep the shardings of `M.param_shardings(cfg, mesh)` (FSDP x tensor
-through M.RULES); batch rows are sharded over ('data', 'fsdp').
+through M.RULES); batch rows carry the logical 'batch' axis (('data', 'fsdp')).
+The planner lowers the same programs through `abstract_state`, `abstract_batch`
+and `lower_step`, which share their layouts with `init_state` and `place`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +24,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rlax import algorithms as A
 from rlax import models as M
+from rlax.models import sharding as shd
+from rlax.models.init import abstract_params
 from rlax.trainer import objective as rl
 from rlax.trainer.batch import RolloutBatch, SFTBatch
 from rlax.trainer.optimizer import OptimizerConfig, make_optimizer, make_schedule
@@ -59,38 +64,89 @@ class Trainer:
     self.chunk, self.temperature = logprob_chunk, temperature
     self.tx = make_optimizer(optim)
     self._lr = make_schedule(optim)
-    self._state_shardings = None
-    self._rl = jax.jit(self._rl_step, donate_argnums=0)
-    self._sft = jax.jit(self._sft_step, donate_argnums=0)
-    self._ref = jax.jit(self._ref_logprobs, static_argnums=3)
+    self._state_shardings = self._make_state_shardings()
+    # The updated state keeps init_state's exact shardings: an equivalent but unequal spec (P() for P(None))
+    # would make the next step a new compile and the plan's lowering a different program.
+    out = {} if mesh is None else dict(out_shardings=(self._state_shardings, NamedSharding(mesh, P())))
+    self._rl = jax.jit(self._rl_step, donate_argnums=0, **out)
+    self._sft = jax.jit(self._sft_step, donate_argnums=0, **out)
+    self._refs: dict[tuple[int, int], Callable] = {}  # jitted reference log-probs per output shape
 
-  # -- placement -----------------------------------------------------------------------------------------------
+  # -- layouts (shared by the runtime and the planner) -----------------------------------------------------------
   def _ctx(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-  def _rows(self, tree):
-    """Puts every [B, ...] leaf on the mesh with rows sharded over ('data', 'fsdp')."""
+  def _new_state(self, params) -> TrainState:
+    return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
+
+  def state_shardings(self) -> Optional[TrainState]:
+    """TrainState of the shardings `init_state` and the steps produce (None without a mesh): params and
+    optimizer moments on the parameter shardings, the step and other optimizer scalars replicated."""
+    return self._state_shardings
+
+  def _make_state_shardings(self) -> Optional[TrainState]:
     if self.mesh is None:
-      return tree
-    n = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-    def put(x):
-      axes = ("data", "fsdp") if x.shape[0] % n == 0 else None
-      return jax.device_put(x, NamedSharding(self.mesh, P(axes, *([None] * (x.ndim - 1)))))
-    return jax.tree.map(put, tree)
+      return None
+    shard = M.param_shardings(self.model_cfg, self.mesh)
+    rep = NamedSharding(self.mesh, P())
+    opt = jax.eval_shape(self.tx.init, abstract_params(self.model_cfg))
+    opt_shard = optax.tree_map_params(self.tx, lambda _, s: s, opt, shard, transform_non_params=lambda _: rep)
+    return TrainState(step=rep, params=shard, opt_state=opt_shard)
+
+  def abstract_state(self) -> TrainState:
+    """TrainState of ShapeDtypeStructs with exactly the shapes, dtypes and shardings of `init_state`'s."""
+    shapes = jax.eval_shape(self._new_state, abstract_params(self.model_cfg))
+    shardings = self.state_shardings()
+    if shardings is None:
+      return shapes
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
+
+  def batch_sharding(self, shape: tuple[int, ...]) -> Optional[NamedSharding]:
+    """Sharding of one [rows, ...] batch array on the trainer mesh (None without a mesh)."""
+    return shd.batch_sharding(self.mesh, shape[0], len(shape)) if self.mesh is not None else None
+
+  def _as_placed(self, batch):
+    """ShapeDtypeStructs of `batch`'s leaves (arrays or ShapeDtypeStructs) with the shardings `place` gives."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.batch_sharding(x.shape)),
+                        batch)
+
+  def abstract_batch(self, rows: int, seq: int, *, with_ref: bool, prompt_len: int = 0) -> RolloutBatch:
+    """RolloutBatch of ShapeDtypeStructs (tokens [rows, seq]) laid out as `place` lays a real batch out."""
+    return self._as_placed(RolloutBatch.abstract(rows, seq, with_ref=with_ref, prompt_len=prompt_len))
+
+  def place(self, batch: RolloutBatch | SFTBatch) -> RolloutBatch | SFTBatch:
+    """The batch on the trainer mesh in ONE `jax.device_put` (rows sharded as `batch_sharding` says).
+
+    Numpy (host) arrays cross to the devices here; arrays already on their target sharding stay as they
+    are (no copy), so placing a placed batch is free. Without a mesh: the default device.
+    """
+    if self.mesh is None:
+      return jax.device_put(batch)
+    return jax.device_put(batch, jax.tree.map(lambda x: self.batch_sharding(x.shape), batch))
+
+  def lower_step(self, state: TrainState, batch: RolloutBatch) -> jax.stages.Lowered:
+    """The jitted RL step that `step` runs, lowered for `state` and `batch` (arrays or ShapeDtypeStructs,
+    e.g. `abstract_state()` and `abstract_batch(...)`); the batch is laid out as `place` lays it out."""
+    batch.check(self.group_size)
+    self.num_micro_batches(*batch.tokens.shape)
+    with self._ctx():
+      return self._rl.lower(state, self._as_placed(batch))
 
   def init_state(self, params) -> TrainState:
-    """TrainState(step=0, params, adamw state); params and optimizer moments placed on the parameter shardings."""
-    if self.mesh is None:
-      return jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, self.tx.init(p)))(params)
-    shard = M.param_shardings(self.model_cfg, self.mesh)
-    params = jax.device_put(params, shard)
-    rep = NamedSharding(self.mesh, P())
-    abstract_opt = jax.eval_shape(self.tx.init, params)
-    opt_shard = optax.tree_map_params(self.tx, lambda _, s: s, abstract_opt, shard,
-                                      transform_non_params=lambda _: rep)
-    out = TrainState(step=rep, params=shard, opt_state=opt_shard)
+    """TrainState(step=0, params, AdamW state) on `state_shardings()`; params must match the model config."""
+    want = abstract_params(self.model_cfg)
+    if jax.tree.structure(params) != jax.tree.structure(want):
+      raise ValueError("init_state: parameter tree does not match the trainer's model config")
+    for (path, x), w in zip(jax.tree.flatten_with_path(params)[0], jax.tree.leaves(want)):
+      if tuple(x.shape) != tuple(w.shape) or x.dtype != w.dtype:
+        raise ValueError(f"init_state: {jax.tree_util.keystr(path)} is {x.dtype}{list(x.shape)}, expected "
+                         f"{w.dtype}{list(w.shape)} (model.param_dtype)")
+    shardings = self.state_shardings()
+    if shardings is None:
+      return jax.jit(self._new_state)(params)
+    params = jax.device_put(params, shardings.params)
     with self._ctx():
-      return jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, self.tx.init(p)), out_shardings=out)(params)
+      return jax.jit(self._new_state, out_shardings=shardings)(params)
 
   def num_micro_batches(self, rows: int, seq_len: int) -> int:
     """Micro-batches of a [rows, seq_len] batch: `micro_batches`, raised to meet `micro_batch_tokens`."""
@@ -99,8 +155,7 @@ class Trainer:
       raise ValueError(f"batch of {rows} rows does not split into {n0} micro-batches")
     if not self.micro_batch_tokens:
       return n0
-    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"] if self.mesh is not None else 1
-    per_shard = rows // shards if rows % shards == 0 else rows
+    per_shard = rows // shd.row_shards(self.mesh, rows)
     # Multiples of n0 that divide each shard's rows, so micro-batch rows stay on their device.
     fits = [n for n in range(n0, per_shard + 1, n0) if per_shard % n == 0]
     for n in fits:
@@ -110,25 +165,40 @@ class Trainer:
 
   # -- public steps --------------------------------------------------------------------------------------------
   def step(self, state: TrainState, batch: RolloutBatch) -> tuple[TrainState, dict]:
-    """One RL update on `batch` (donates `state`); metrics are scalars (see objective.reduce_metrics)."""
+    """One RL update on `batch` (donates `state`); metrics are scalars (see objective.reduce_metrics).
+
+    `batch` may be numpy (placed here, one device_put) or already `place`d (not moved again).
+    """
     batch.check(self.group_size)
     self.num_micro_batches(*batch.tokens.shape)
+    batch = self.place(batch)
     with self._ctx():
-      return self._rl(state, self._rows(batch))
+      return self._rl(state, batch)
 
   def sft_step(self, state: TrainState, batch: SFTBatch) -> tuple[TrainState, dict]:
     """One supervised update (cross-entropy on loss_mask tokens); metrics: loss, grad_norm, lr, tokens."""
     batch.check()
     self.num_micro_batches(*batch.tokens.shape)
+    batch = self.place(batch)
     with self._ctx():
-      return self._sft(state, self._rows(batch))
+      return self._sft(state, batch)
 
   def ref_logprobs(self, ref_params, batch: RolloutBatch | SFTBatch) -> jax.Array:
-    """Reference-model log-probs [B, T-1] of the batch's tokens (no gradient), aligned with loss_mask."""
+    """Reference-model log-probs [B, T-1] f32 of the batch's tokens (no gradient), aligned with loss_mask.
+
+    The output has `batch_sharding`, so `batch.replace(ref_logprobs=...)` stays placed. Pass a `place`d
+    batch when `step` follows, or the host batch crosses twice.
+    """
     start = max(getattr(batch, "prompt_len", 0) - 1, 0)
+    batch = self.place(batch)
+    shape = (batch.tokens.shape[0], batch.tokens.shape[1] - 1)
+    if shape not in self._refs:
+      # Exactly the batch layout (a constraint inside would drop the trailing None from the spec), so the
+      # output joins a placed batch without a reshard or a new step compile.
+      out = {} if self.mesh is None else dict(out_shardings=self.batch_sharding(shape))
+      self._refs[shape] = jax.jit(self._ref_logprobs, static_argnums=3, **out)
     with self._ctx():
-      rows = self._rows((batch.tokens, batch.input_mask))
-      return self._ref(ref_params, *rows, start)
+      return self._refs[shape](ref_params, batch.tokens, batch.input_mask, start)
 
   # -- jitted bodies -------------------------------------------------------------------------------------------
   def _ref_logprobs(self, params, tokens, input_mask, start=0):
@@ -137,10 +207,12 @@ class Trainer:
                               temperature=self.temperature, start=start)
     n = self.num_micro_batches(*tokens.shape)
     if n == 1:
-      return one((tokens, input_mask))
-    _, out = jax.lax.scan(lambda c, mb: (c, one(mb)), None, split_micro_batches((tokens, input_mask), n),
-                          unroll=n <= MAX_UNROLLED_MICRO_BATCHES)  # [n, B/n, T-1]
-    return jnp.moveaxis(out, 0, 1).reshape(tokens.shape[0], -1)
+      out = one((tokens, input_mask))
+    else:
+      out = jax.lax.scan(lambda c, mb: (c, one(mb)), None, split_micro_batches((tokens, input_mask), n),
+                         unroll=n <= MAX_UNROLLED_MICRO_BATCHES)[1]  # [n, B/n, T-1]
+      out = jnp.moveaxis(out, 0, 1).reshape(tokens.shape[0], -1)
+    return out
 
   def _rl_step(self, state: TrainState, batch: RolloutBatch):
     inputs = rl.loss_inputs(self.algo, batch, self.group_size)

@@ -208,3 +208,45 @@ def test_memory_budget_and_bad_requests(sm):
     sm.generate(PROMPTS, samples_per_prompt=5)
   with pytest.raises(ValueError, match=r"\['layers'\]\['q'\]"):
     sm.update_weights({**P0, "layers": {**P0["layers"], "q": P0["layers"]["q"][:, :4]}}, 1)
+
+
+def test_lowerings_are_the_programs_generate_runs():
+  """lower_prefill / lower_decode trace exactly what generate runs: generate afterwards traces nothing new."""
+  mesh = M.make_mesh(jax.devices()[:4], data=2, fsdp=1, tensor=2)
+  sm = make(mesh=mesh)
+  held = sm._weights[0]
+  for a, w in zip(jax.tree.leaves(sm.abstract_params()), jax.tree.leaves(held)):
+    assert (a.shape, a.dtype, a.sharding) == (w.shape, w.dtype, w.sharding)
+  assert tuple(sm.batch_sharding(2).spec) == ("data", None)
+  strategy = S.TopK(4, 1.2)
+  prefill = sm.lower_prefill(len(PROMPTS), 7, 2, strategy).compile()  # 7 tokens: the 8-token bucket
+  sm.lower_decode(prefill, strategy).compile()
+  assert dict(sm.trace_counts) == {"prefill": 1, "decode": 1}
+  sm.generate(PROMPTS, samples_per_prompt=2, strategy=strategy)
+  assert dict(sm.trace_counts) == {"prefill": 1, "decode": 1}
+
+
+def test_weights_are_held_in_the_compute_dtype():
+  """float32 params, bfloat16 compute: the parameter server's bf16 delivery is kept as is, float32 params
+  are cast on the sampler mesh; both generate the same, and memory counts bf16 params."""
+  from rlax.param_server import ParameterServer
+  cfg = CFG.replace(param_dtype="float32", dtype="bfloat16")
+  trainer_mesh = M.make_mesh(jax.devices()[:2], fsdp=2)
+  sampler_mesh = M.make_mesh(jax.devices()[2:4], data=2, fsdp=1)
+  params = M.create_params(cfg, trainer_mesh, seed=0)
+  ps = ParameterServer(M.param_shardings(cfg, sampler_mesh), sampler_dtype=cfg.dtype)
+  ps.push(params, 1)
+  sm = S.Sampler(cfg, sampler_mesh, max_prompt_len=16, max_new_tokens=6, batch_size=8)
+  sm.update_weights(*ps.pull())
+  assert all(a is b for a, b in zip(jax.tree.leaves(sm._weights[0]), jax.tree.leaves(ps.pull()[0])))  # no copy
+  pulled = sm.generate(PROMPTS, strategy=S.Greedy())
+  sm.update_weights(params, 2)  # float32 on the trainer mesh
+  for a, w in zip(jax.tree.leaves(sm.abstract_params()), jax.tree.leaves(sm._weights[0])):
+    assert (a.dtype, a.sharding) == (w.dtype, w.sharding) and w.dtype == jnp.bfloat16
+  direct = sm.generate(PROMPTS, strategy=S.Greedy())
+  assert direct.version == 2 and pulled.version == 1
+  np.testing.assert_array_equal(np.asarray(direct.tokens), np.asarray(pulled.tokens))
+  np.testing.assert_array_equal(np.asarray(direct.logprobs), np.asarray(pulled.logprobs))
+  assert sm.memory["params"] * 2 == make(params=None).memory["params"]  # bf16 (data=2 replicates params)
+  with pytest.raises(ValueError, match=r"\['embed'\] is float16.*expected bfloat16 or float32"):
+    sm.update_weights(jax.tree.map(lambda x: x.astype(jnp.float16), params), 3)

@@ -1,14 +1,15 @@
 """Batch layout checks, the optimizer schedule, and the step's advantage inputs (PPO/GAE, KL-in-reward, IS)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from rlax import algorithms as A
 from rlax import models as M
-from rlax.trainer import (OptimizerConfig, SFTBatch, Trainer, batch_advantages, make_schedule,
+from rlax.trainer import (OptimizerConfig, RolloutBatch, SFTBatch, Trainer, batch_advantages, make_schedule,
                           response_loss_mask)
-from trainer_testlib import B, CFG, G, T, make_batch
+from trainer_testlib import B, CFG, G, T, host, make_batch
 
 
 def test_response_loss_mask_alignment():
@@ -25,10 +26,29 @@ def test_batch_check_names_the_bad_field():
     b.replace(rewards=b.rewards[:7]).check()
   with pytest.raises(ValueError, match="RolloutBatch.advantages has shape"):
     b.replace(advantages=jnp.zeros((B, T))).check()
-  with pytest.raises(ValueError, match="must be integer"):
+  with pytest.raises(ValueError, match="RolloutBatch.tokens has dtype float32, expected int32"):
     b.replace(tokens=b.tokens.astype(jnp.float32)).check()
+  with pytest.raises(ValueError, match="RolloutBatch.rewards has dtype int32, expected float32"):
+    b.replace(rewards=b.rewards.astype(jnp.int32)).check()
+  with pytest.raises(ValueError, match="RolloutBatch.input_mask has dtype float32, expected bool"):
+    b.replace(input_mask=b.input_mask.astype(jnp.float32)).check()
   with pytest.raises(ValueError, match="SFTBatch.loss_mask"):
     SFTBatch(tokens=b.tokens, input_mask=b.input_mask, loss_mask=b.input_mask).check()
+  with pytest.raises(ValueError, match="SFTBatch.tokens has dtype int64"):
+    SFTBatch(tokens=np.asarray(b.tokens, np.int64), input_mask=b.input_mask, loss_mask=b.loss_mask).check()
+
+
+def test_batch_check_reads_values_only_on_the_host():
+  """A prompt position scored: caught on a numpy batch; a device batch is not pulled back to look."""
+  b = make_batch(M.create_params(CFG)).replace(prompt_len=6)  # loss_mask[:, 4] scores the first response token
+  with pytest.raises(ValueError, match="scores a position before prompt_len=6"):
+    host(b).check()
+  with jax.transfer_guard("disallow"):
+    assert b.check(G) is b
+  ok = host(b).replace(prompt_len=5, ref_logprobs=np.zeros((B, T - 1), np.float32))
+  assert ok.check(G) is ok
+  abstract = RolloutBatch.abstract(B, T, with_ref=True, prompt_len=5)
+  assert abstract.check(G) is abstract
 
 
 def test_schedules():

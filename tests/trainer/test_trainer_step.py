@@ -92,7 +92,7 @@ def test_prompt_len_and_micro_batch_tokens_do_not_change_the_step(params, batch)
   mesh = M.make_mesh(jax.devices()[:2], data=2, fsdp=1)
   assert Trainer(CFG, algo, opt, mesh, group_size=G, micro_batch_tokens=2 * T).num_micro_batches(B, T) == 2
   with pytest.raises(ValueError, match="scores a position before prompt_len=6"):
-    batch.replace(prompt_len=PROMPT + 1).check()
+    host(batch).replace(prompt_len=PROMPT + 1).check()
 
 
 def test_zero_staleness_ratio_is_one_and_gradient_is_policy_gradient(params, batch):
