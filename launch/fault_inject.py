@@ -5,7 +5,7 @@
 The faulted run is a chain of `python -m launch.main` processes in one workdir: SIGKILLs at seeded random
 steps (plus a random delay inside the step), one SIGTERM (checkpoint and exit), a truncated file in the
 newest checkpoint between two restarts, and, in-process, the loss of a sampler slice and of a trainer slice
-(`faults.lose_slice_at`, fired by rlax.failover). An uninterrupted run of the same config runs alongside;
+(`faults.lose_slice_at`, fired by rlax.runtime.failover). An uninterrupted run of the same config runs alongside;
 both write `params_sha256` to summary.json. One table row per fault; the last line is one JSON object.
 """
 
@@ -34,7 +34,7 @@ def _cmd(workdir, extra=()):
   return [sys.executable, "-m", "launch.main", "--config=configs/demo.py", "--progress=false",
           f"{c}workdir={workdir}", f"{c}controller.steps={STEPS.value}", f"{c}deterministic=True",
           f"{c}controller.max_staleness=1", f"{c}checkpoint.every_steps={EVERY.value}", f"{c}checkpoint.keep=3",
-          f"{c}init.sft_steps=5", f"{c}eval.n_prompts=16", f"{c}data.n_eval=16", f"{c}eval.n_samples=2", *extra]
+          f"{c}init.sft_steps=5", f"{c}data.n_eval=16", f"{c}eval.n_samples=2", *extra]
 
 
 def _rows(workdir):
