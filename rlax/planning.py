@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from rlax import builders
 from rlax import config as config_lib
-from rlax import models as M
+from rlax import models
 from rlax.multihost import CrossMeshPush, transport_spec
 from rlax.sampler import Sampler, Temperature
 from rlax.topology import Topology, build_topology
@@ -224,7 +224,7 @@ def push_estimate(trainer: Trainer, sampler: Sampler, chip: Chip, cross_dcn: boo
               link="dcn" if cross_dcn else "ici", seconds=sum(t.values()), **t)
 
 
-def model_flops(cfg: M.ModelConfig, tokens: int, context: int) -> float:
+def model_flops(cfg: models.ModelConfig, tokens: int, context: int) -> float:
   """Forward FLOPs: 2 x matmul params per token + attention (2 x 2 x layers x heads x head_dim x context)."""
   D, L, H, K, Dh, F, V = (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim,
                           cfg.vocab_size)
@@ -266,7 +266,7 @@ def make_plan(c) -> dict[str, Any]:
   return _table(c, chip, cfg, topo, progs, devices, trainer, sampler)
 
 
-def _table(c, chip: Chip, cfg: M.ModelConfig, topo: Topology, progs: list[Program], devices, trainer: Trainer,
+def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[Program], devices, trainer: Trainer,
            sampler: Sampler) -> dict[str, Any]:
   r = c.rollout
   rows = r.rows

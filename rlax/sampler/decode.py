@@ -1,9 +1,10 @@
 """One-token decode step over the rlax parameter tree, laid out for speed.
 
-`M.forward(tok[B, 1], cache=...)` is exact but slow for decoding: it slices a
+`models.forward(tok[B, 1], cache=...)` is exact but slow for decoding: it slices a
 copy of each layer's cache every step, runs seven projections per layer and
-attends every sample to its own copy of the prompt. This path keeps the math
-(tests compare it with `M.forward` without a cache) but:
+attends every sample to its own copy of the prompt. This path applies the same
+block (`rlax.models.layers.block`; tests compare it with `models.forward` without a
+cache) with its own attention and cache layout:
 
 - splits the cache into a *prompt* part stored once per distinct prompt (the G
   samples of a prompt share it: G-fold less attention traffic over the prompt)
@@ -15,8 +16,8 @@ attends every sample to its own copy of the prompt. This path keeps the math
 - stores keys transposed ([.., Dh, S]) so both attention contractions are
   multiply-and-reduce over a non-minor axis, which XLA:CPU vectorizes along the
   contiguous one (~5x faster here than a batched dot_general of these shapes);
-- fuses q/k/v and gate/up into one matmul each (weights concatenated once per
-  chunk, outside the loop).
+- fuses q/k/v and gate/up into one matmul each (`layers.fuse`, once per chunk,
+  outside the loop).
 
 Shapes: B = Pb * G rows (prompt-major), P prompt slots, N generated slots,
 K kv heads, Gh = H / K query heads per kv head, Dh head dim.
@@ -32,10 +33,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from rlax import models as M
-from rlax.models.transformer import apply_rope, rms_norm, rope_inv_freq
-
-_NEG = -1e30
+from rlax import models
+from rlax.models import layers
 
 
 @flax.struct.dataclass
@@ -70,9 +69,9 @@ def _split(x, axis, n_new):
   return tuple(jax.lax.slice_in_dim(x, a, b, axis=axis) for a, b in segments(n_new))
 
 
-def from_model_cache(cache: M.KVCache, n_prompt_slots: int, samples: int, n_new: int,
+def from_model_cache(cache: models.KVCache, n_prompt_slots: int, samples: int, n_new: int,
                      prompt_rows: slice = slice(None)) -> LayerCache:
-  """Builds a LayerCache from an `M.KVCache` [L, R, S, K, Dh] whose first `n_prompt_slots` slots are prompts.
+  """Builds a LayerCache from an `models.KVCache` [L, R, S, K, Dh] whose first `n_prompt_slots` slots are prompts.
 
   The prompt part is taken from rows `prompt_rows` (one per distinct prompt); the
   generated part is slots [P, S) padded to n_new per row, or zeros when R rows
@@ -99,36 +98,17 @@ def from_model_cache(cache: M.KVCache, n_prompt_slots: int, samples: int, n_new:
 def constrain_cache(cache: LayerCache) -> LayerCache:
   """Shards the cache along batch (and KV heads on the tensor axis) under the ambient mesh."""
   ax = ("batch", "act_kv_heads", None, None)
-  c = lambda xs: jax.tree.map(lambda x: M.constrain(x, ax), xs)
+  c = lambda xs: jax.tree.map(lambda x: models.constrain(x, ax), xs)
   return LayerCache(pk=c(cache.pk), pv=c(cache.pv), gk=c(cache.gk), gv=c(cache.gv),
-                    prompt_valid=M.constrain(cache.prompt_valid, ("batch", None)))
+                    prompt_valid=models.constrain(cache.prompt_valid, ("batch", None)))
 
 
-def fuse_params(params: M.Params, cfg: M.ModelConfig) -> dict[str, Any]:
-  """Per-layer weights with q/k/v and gate/up concatenated along the output axis, in compute dtype."""
-  dt = cfg.jnp_dtype
+def fuse_params(params: models.Params, cfg: models.ModelConfig) -> dict[str, Any]:
+  """Per-layer weights fused by `layers.fuse` (a list over layers), plus embed, final norm and lm head."""
   lay = params["layers"]
-  D, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-  out = []
-  for l in range(cfg.n_layers):
-    w = {
-        "qkv": jnp.concatenate([lay["q"][l].reshape(D, H * Dh), lay["k"][l].reshape(D, K * Dh),
-                                lay["v"][l].reshape(D, K * Dh)], axis=1).astype(dt),
-        "o": lay["o"][l].reshape(H * Dh, D).astype(dt),
-        "gate_up": jnp.concatenate([lay["gate"][l], lay["up"][l]], axis=1).astype(dt),
-        "down": lay["down"][l].astype(dt),
-        "attn_norm": lay["attn_norm"][l].astype(dt),
-        "mlp_norm": lay["mlp_norm"][l].astype(dt),
-    }
-    if cfg.qkv_bias:
-      w["qkv_bias"] = jnp.concatenate([lay["q_bias"][l].reshape(-1), lay["k_bias"][l].reshape(-1),
-                                       lay["v_bias"][l].reshape(-1)]).astype(dt)
-    if cfg.qk_norm:
-      w["q_norm"] = lay["q_norm"][l].astype(dt)
-      w["k_norm"] = lay["k_norm"][l].astype(dt)
-    out.append(w)
-  return {"layers": out, "embed": params["embed"], "final_norm": params["final_norm"].astype(dt),
-          "lm_head": M.lm_head(params, cfg)}
+  return {"layers": [layers.fuse(cfg, jax.tree.map(lambda w: w[l], lay)) for l in range(cfg.n_layers)],
+          "embed": params["embed"], "final_norm": params["final_norm"].astype(cfg.jnp_dtype),
+          "lm_head": models.lm_head(params, cfg)}
 
 
 def _attend(q, pk, pv, gks, gvs, prompt_valid, last):
@@ -144,11 +124,11 @@ def _attend(q, pk, pv, gks, gvs, prompt_valid, last):
   qf = q.astype(f32) / math.sqrt(Dh)
   qp = qf.reshape(Pb, G, K, Gh, Dh)
   sp = jnp.sum(qp[..., None] * pk.astype(f32)[:, None, :, None], axis=4)  # [Pb, G, K, Gh, P]
-  scores = [jnp.where(prompt_valid[:, None, None, None, :], sp, _NEG).reshape(B, K, Gh, -1)]
+  scores = [jnp.where(prompt_valid[:, None, None, None, :], sp, layers.NEG).reshape(B, K, Gh, -1)]
   for i, gk in enumerate(gks):
     sg = jnp.sum(qf[..., None] * gk.astype(f32)[:, :, None], axis=3)  # [B, K, Gh, n_i]
     if i == len(gks) - 1:
-      sg = jnp.where(jnp.arange(gk.shape[-1]) <= last, sg, _NEG)
+      sg = jnp.where(jnp.arange(gk.shape[-1]) <= last, sg, layers.NEG)
     scores.append(sg)
   p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(pv.dtype)
   P = sp.shape[-1]
@@ -162,7 +142,7 @@ def _attend(q, pk, pv, gks, gvs, prompt_valid, last):
   return out
 
 
-def decode_step(fused: dict, cfg: M.ModelConfig, cache: LayerCache, tok: Int[Array, "B"],
+def decode_step(fused: dict, cfg: models.ModelConfig, cache: LayerCache, tok: Int[Array, "B"],
                 pos: Int[Array, "B"], gslot: Int[Array, ""], seg: int
                 ) -> tuple[Float[Array, "B V"], LayerCache]:
   """Feeds one token per row, written at generated slot `gslot` (inside segment `seg`), RoPE position `pos`.
@@ -172,36 +152,24 @@ def decode_step(fused: dict, cfg: M.ModelConfig, cache: LayerCache, tok: Int[Arr
   B = tok.shape[0]
   H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
   dt = cfg.jnp_dtype
-  inv_freq = rope_inv_freq(cfg)
+  inv_freq = layers.rope_inv_freq(cfg)
   start = segments(sum(g.shape[-1] for g in cache.gk[0]))[seg][0]
-  x = jnp.take(fused["embed"], tok, axis=0).astype(dt)  # [B, D]
-  posb = pos[:, None]
+  x = jnp.take(fused["embed"], tok, axis=0).astype(dt)[:, None]  # [B, 1, D]
   gks, gvs = [list(g) for g in cache.gk], [list(g) for g in cache.gv]
   z = jnp.zeros((), jnp.int32)
   local = gslot - start
   for l, w in enumerate(fused["layers"]):
-    h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-    qkv = h @ w["qkv"]
-    if cfg.qkv_bias:
-      qkv = qkv + w["qkv_bias"]
-    q = qkv[:, :H * Dh].reshape(B, 1, H, Dh)
-    k = qkv[:, H * Dh:(H + K) * Dh].reshape(B, 1, K, Dh)
-    v = qkv[:, (H + K) * Dh:].reshape(B, K, Dh)
-    if cfg.qk_norm:
-      q = rms_norm(q, w["q_norm"], cfg.norm_eps)
-      k = rms_norm(k, w["k_norm"], cfg.norm_eps)
-    q = apply_rope(q, posb, inv_freq).reshape(B, K, H // K, Dh)
-    k = apply_rope(k, posb, inv_freq).reshape(B, K, Dh)
-    # Write first, then attend over the updated buffers: reading the old buffer
-    # alongside an in-place write makes XLA copy the whole cache every step.
-    gks[l][seg] = jax.lax.dynamic_update_slice(gks[l][seg], k[..., None].astype(dt), (z, z, z, local))
-    gvs[l][seg] = jax.lax.dynamic_update_slice(gvs[l][seg], v[:, :, None].astype(dt), (z, z, local, z))
-    a = _attend(q, cache.pk[l], cache.pv[l], gks[l][:seg + 1], gvs[l][:seg + 1], cache.prompt_valid, local)
-    x = x + a.astype(dt).reshape(B, H * Dh) @ w["o"]
-    h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-    gu = h @ w["gate_up"]
-    F = gu.shape[1] // 2
-    x = x + (jax.nn.silu(gu[:, :F]) * gu[:, F:]) @ w["down"]
-  x = rms_norm(x, fused["final_norm"], cfg.norm_eps)
+
+    def attend(q, k, v, l=l):
+      # Write first, then attend over the updated buffers: reading the old buffer
+      # alongside an in-place write makes XLA copy the whole cache every step.
+      gks[l][seg] = jax.lax.dynamic_update_slice(gks[l][seg], k.reshape(B, K, Dh, 1).astype(dt), (z, z, z, local))
+      gvs[l][seg] = jax.lax.dynamic_update_slice(gvs[l][seg], v.reshape(B, K, 1, Dh).astype(dt), (z, z, local, z))
+      a = _attend(q.reshape(B, K, H // K, Dh), cache.pk[l], cache.pv[l], gks[l][:seg + 1], gvs[l][:seg + 1],
+                  cache.prompt_valid, local)
+      return a.astype(dt).reshape(B, 1, H, Dh)
+
+    x = layers.block(cfg, w, x, pos[:, None], inv_freq, attend)
+  x = layers.rms_norm(x[:, 0], fused["final_norm"], cfg.norm_eps)
   logits = jnp.dot(x, fused["lm_head"], preferred_element_type=jnp.float32)
   return logits, cache.replace(gk=tuple(map(tuple, gks)), gv=tuple(map(tuple, gvs)))

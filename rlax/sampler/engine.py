@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Bool, Float, Int
 
-from rlax import models as M
+from rlax import models
 from rlax.models import sharding as shd
 from rlax.models.init import abstract_params as model_params
 from rlax.sampler import loop
@@ -94,12 +94,12 @@ class Sampler:
   `on_chunk`) takes effect at the next chunk; None decodes in one call.
   """
 
-  def __init__(self, cfg: M.ModelConfig, mesh: Optional[Mesh] = None, *, max_prompt_len: int,
+  def __init__(self, cfg: models.ModelConfig, mesh: Optional[Mesh] = None, *, max_prompt_len: int,
                max_new_tokens: int, batch_size: Optional[int] = None,
                batch_buckets: Optional[Sequence[int]] = None, prompt_buckets: Optional[Sequence[int]] = None,
                stop_sequences: Sequence[Sequence[int]] = (), eos_id: Union[int, Sequence[int], None] = None,
                pad_id: int = 0, decode_chunk: Optional[int] = None, memory_budget_bytes: Optional[int] = None,
-               params: Optional[M.Params] = None, version: int = 0):
+               params: Optional[models.Params] = None, version: int = 0):
     if max_prompt_len < 1 or max_new_tokens < 1:
       raise ValueError(f"max_prompt_len={max_prompt_len} and max_new_tokens={max_new_tokens} must be >= 1")
     if batch_size is None and not batch_buckets:
@@ -120,7 +120,7 @@ class Sampler:
     if any(len(s) == 0 for s in self.stops):
       raise ValueError("stop sequences must be non-empty")
     self.devices = list(mesh.devices.flat) if mesh is not None else [jax.devices()[0]]
-    self._param_shardings = M.param_shardings(cfg, mesh) if mesh is not None else None
+    self._param_shardings = models.param_shardings(cfg, mesh) if mesh is not None else None
     self.memory = self._check_memory(memory_budget_bytes)
     cast = lambda p: jax.tree.map(lambda x: x.astype(cfg.jnp_dtype), p)
     self._cast = jax.jit(cast, out_shardings=self._param_shardings) if mesh is not None else jax.jit(cast)
@@ -148,7 +148,7 @@ class Sampler:
     """Sharding of every [rows, ...] array the engine feeds its programs (None without a mesh)."""
     return shd.batch_sharding(self.mesh, self.batch_size, ndim) if self.mesh is not None else None
 
-  def abstract_params(self) -> M.Params:
+  def abstract_params(self) -> models.Params:
     """The weights as the sampler holds them: ShapeDtypeStructs in the compute dtype on its shardings."""
     sds = lambda s, sh=None: jax.ShapeDtypeStruct(s.shape, self.cfg.jnp_dtype, sharding=sh)
     if self.mesh is None:
@@ -211,7 +211,7 @@ class Sampler:
     one_layer = (B, cfg.n_kv_heads, S, cfg.head_dim)  # one layer's keys (or values), as decode stores them
     csh = None
     if self.mesh is not None:
-      csh = NamedSharding(self.mesh, M.spec_for(("batch", "act_kv_heads", None, None), one_layer,
+      csh = NamedSharding(self.mesh, models.spec_for(("batch", "act_kv_heads", None, None), one_layer,
                                                 dict(self.mesh.shape)))
     cache = _bytes_per_device(one_layer, cfg.jnp_dtype, csh) * 2 * cfg.n_layers
     prefill = cache if self.decode_chunk else cache * self.max_prompt_len // S
@@ -225,13 +225,13 @@ class Sampler:
           f"cache {prefill:,}, params {params:,}) but the memory budget is {budget:,} bytes per device")
     return dict(cache=cache, transient=prefill, params=params, budget=budget)
 
-  def update_weights(self, params: M.Params, version: int) -> None:
+  def update_weights(self, params: models.Params, version: int) -> None:
     """Installs new weights (same tree and shapes) on the sampler's shardings, in the compute dtype. Thread-safe.
 
     Leaves in `cfg.dtype` are kept as they are (the parameter server delivers those); leaves in
     `cfg.param_dtype` are cast by a jitted cast on the sampler mesh.
     """
-    want = M.param_shapes(self.cfg)
+    want = models.param_shapes(self.cfg)
     if jax.tree.structure(params) != jax.tree.structure(want, is_leaf=lambda s: isinstance(s, tuple)):
       raise ValueError("update_weights: parameter tree does not match the sampler's model config")
     ok = {self.cfg.jnp_dtype, self.cfg.jnp_param_dtype}

@@ -14,7 +14,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rlax import models as M
+from rlax import models
 from rlax.sampler import decode
 from rlax.sampler.strategies import SamplingMethod
 
@@ -82,15 +82,15 @@ def _record(st: DecodeState, tok, lp, version, eos_ids: Sequence[int], stops: Se
                     last=tok, t=t + 1)
 
 
-def prefill(params, cfg: M.ModelConfig, prompt, prompt_mask, keys, version, row_live, *, samples: int,
+def prefill(params, cfg: models.ModelConfig, prompt, prompt_mask, keys, version, row_live, *, samples: int,
             n_new: int, strategy: SamplingMethod, eos_ids, stops, pad_id: int) -> DecodeState:
   """Prefills the distinct prompts [Pb, P] once, repeats each cache row `samples` times, draws token 0.
 
   keys, row_live: [Pb * samples] (dead rows are batch padding and start done).
   """
   Pb, P = prompt.shape
-  h, mc = M.hidden_states(params, cfg, prompt, input_mask=prompt_mask, cache=M.init_cache(cfg, Pb, P))
-  logits = M.logits_from_hidden(params, cfg, h[:, -1:])[:, 0]
+  h, mc = models.hidden_states(params, cfg, prompt, input_mask=prompt_mask, cache=models.init_cache(cfg, Pb, P))
+  logits = models.logits_from_hidden(params, cfg, h[:, -1:])[:, 0]
   rep = lambda x: jnp.repeat(x, samples, axis=0)
   cache = decode.constrain_cache(decode.from_model_cache(mc, P, samples, n_new))
   B = Pb * samples
@@ -104,7 +104,7 @@ def prefill(params, cfg: M.ModelConfig, prompt, prompt_mask, keys, version, row_
   return _record(st, tok, lp, version, eos_ids, stops, n_new, pad_id)
 
 
-def decode_chunk(params, cfg: M.ModelConfig, st: DecodeState, version, t_end, *, n_new: int,
+def decode_chunk(params, cfg: models.ModelConfig, st: DecodeState, version, t_end, *, n_new: int,
                  strategy: SamplingMethod, eos_ids, stops, pad_id: int) -> DecodeState:
   """Decodes tokens st.t .. t_end-1, exiting early once every row is done.
 
@@ -127,7 +127,7 @@ def decode_chunk(params, cfg: M.ModelConfig, st: DecodeState, version, t_end, *,
   return st
 
 
-def refill(params, cfg: M.ModelConfig, st: DecodeState) -> DecodeState:
+def refill(params, cfg: models.ModelConfig, st: DecodeState) -> DecodeState:
   """Recomputes the whole KV cache (prompt + tokens so far) under `params`, after a weight swap.
 
   Keeps the sampler's promise that tokens drawn under version v are drawn from
@@ -141,6 +141,6 @@ def refill(params, cfg: M.ModelConfig, st: DecodeState) -> DecodeState:
   # The last sampled token is fed by the next decode step, so slots up to P + t - 2 hold cache.
   in_cache = jnp.arange(P + n_new) < P + st.t - 1
   mask = jnp.concatenate([st.prompt_mask, jnp.ones((B, n_new), bool)], axis=1) & in_cache[None]
-  _, mc = M.hidden_states(params, cfg, seq, input_mask=mask, cache=M.init_cache(cfg, B, P + n_new))
+  _, mc = models.hidden_states(params, cfg, seq, input_mask=mask, cache=models.init_cache(cfg, B, P + n_new))
   new = decode.from_model_cache(mc, P, G, n_new, prompt_rows=slice(None, None, G))
   return st.replace(cache=decode.constrain_cache(new.replace(prompt_valid=st.cache.prompt_valid)))

@@ -8,8 +8,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rlax import algorithms as A
-from rlax import models as M
+from rlax import algorithms
+from rlax import models
 from rlax.trainer.batch import RolloutBatch
 
 
@@ -24,7 +24,7 @@ class LossInputs:
   ref_logprobs: Optional[jax.Array] = None
 
 
-def batch_advantages(algo: A.AlgorithmConfig, batch: RolloutBatch, group_size: int) -> jax.Array:
+def batch_advantages(algo: algorithms.AlgorithmConfig, batch: RolloutBatch, group_size: int) -> jax.Array:
   """The batch's advantages if given, else the estimator's on (optionally KL-shaped) rewards; [B] or [B,T-1]."""
   if batch.advantages is not None:
     return batch.advantages.astype(jnp.float32)
@@ -32,12 +32,12 @@ def batch_advantages(algo: A.AlgorithmConfig, batch: RolloutBatch, group_size: i
   if algo.kl_coef > 0 and algo.kl_in_reward:
     if batch.ref_logprobs is None:
       raise ValueError(f"{algo.name}: kl_in_reward needs batch.ref_logprobs (fill with Trainer.ref_logprobs)")
-    rewards = A.kl_penalized_rewards(rewards, batch.behaviour_logprobs, batch.ref_logprobs, batch.loss_mask,
+    rewards = algorithms.kl_penalized_rewards(rewards, batch.behaviour_logprobs, batch.ref_logprobs, batch.loss_mask,
                                      algo.kl_coef, algo.kl_estimator)
   return algo.advantages(rewards, group_size)
 
 
-def loss_inputs(algo: A.AlgorithmConfig, batch: RolloutBatch, group_size: int) -> LossInputs:
+def loss_inputs(algo: algorithms.AlgorithmConfig, batch: RolloutBatch, group_size: int) -> LossInputs:
   """The loss's view of a full batch (advantages computed, masks cast); raises if a needed input is missing."""
   needs_ref = algo.kl_coef > 0 and not algo.kl_in_reward
   if needs_ref and batch.ref_logprobs is None:
@@ -49,8 +49,8 @@ def loss_inputs(algo: A.AlgorithmConfig, batch: RolloutBatch, group_size: int) -
                     ref_logprobs=batch.ref_logprobs)
 
 
-def rl_loss(params, model_cfg: M.ModelConfig, algo: A.AlgorithmConfig, mb: LossInputs, *, num_tokens, num_seqs,
-            num_rows: int, chunk: int = 256, temperature: float = 1.0, start: int = 0) -> tuple[jax.Array, dict]:
+def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmConfig, mb: LossInputs, *, num_tokens,
+            num_seqs, num_rows: int, chunk: int = 256, temperature: float = 1.0, start: int = 0) -> tuple[jax.Array, dict]:
   """Loss of one micro-batch, normalized by full-batch denominators, and its metric sums.
 
   Per token: policy loss (x detached IS weight) + kl_coef * KL + entropy bonus,
@@ -60,32 +60,32 @@ def rl_loss(params, model_cfg: M.ModelConfig, algo: A.AlgorithmConfig, mb: LossI
   micro-batch; the trainer reduces them over micro-batches. Positions before
   `start` are not computed (their loss_mask must be 0).
   """
-  lp, ent = M.token_logprobs(params, model_cfg, mb.tokens, input_mask=mb.input_mask, chunk=chunk,
+  lp, ent = models.token_logprobs(params, model_cfg, mb.tokens, input_mask=mb.input_mask, chunk=chunk,
                              temperature=temperature, with_entropy=True, start=start)
   m = mb.loss_mask
   behaviour = mb.behaviour_logprobs
   old = jax.lax.stop_gradient(lp) if algo.old_policy == "recompute" else behaviour
   tok_loss, info = algo.token_loss(lp, old, mb.advantages, m)
   is_mode = algo.off_policy if algo.old_policy == "recompute" else "none"
-  w, is_stats = A.importance_weights(old, behaviour, m, is_mode, algo.is_cap)
+  w, is_stats = algorithms.importance_weights(old, behaviour, m, is_mode, algo.is_cap)
   pg_tok = tok_loss * w
   total = pg_tok
   kl = None
   if mb.ref_logprobs is not None:
     # Reported whenever reference log-probs are given; a loss term only for KL-in-loss algorithms.
-    kl = A.kl_estimate(lp, mb.ref_logprobs, algo.kl_estimator) * m
+    kl = algorithms.kl_estimate(lp, mb.ref_logprobs, algo.kl_estimator) * m
     if algo.kl_coef > 0 and not algo.kl_in_reward:
       total = total + algo.kl_coef * kl
   if algo.entropy_coef:
-    total = total + A.entropy_bonus(ent, m, algo.entropy_coef)
+    total = total + algorithms.entropy_bonus(ent, m, algo.entropy_coef)
   agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, num_rows=num_rows, max_len=algo.max_len)
-  loss = A.aggregate(total, m, algo.loss_agg, **agg)
+  loss = algorithms.aggregate(total, m, algo.loss_agg, **agg)
 
   tokens = jnp.sum(m)
   ratio = jnp.where(m > 0, info["ratio"], jnp.nan)
   diff = jnp.abs(jax.lax.stop_gradient(lp) - behaviour) * m
   metrics = {
-      "pg_loss": A.aggregate(jax.lax.stop_gradient(pg_tok), m, algo.loss_agg, **agg),
+      "pg_loss": algorithms.aggregate(jax.lax.stop_gradient(pg_tok), m, algo.loss_agg, **agg),
       "kl_sum": jnp.sum(jax.lax.stop_gradient(kl)) if kl is not None else jnp.zeros(()),
       "entropy_sum": jnp.sum(jax.lax.stop_gradient(ent) * m),
       "clipped_sum": jnp.sum(info["clipped"]),

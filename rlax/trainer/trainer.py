@@ -1,13 +1,13 @@
 """`Trainer`: builds the jitted RL step, SFT step and reference log-probs for one trainer mesh.
 
     trainer = Trainer(model_cfg, get_algorithm("grpo"), OptimizerConfig(lr=1e-6), mesh, group_size=8)
-    state = trainer.init_state(M.create_params(model_cfg, mesh))
+    state = trainer.init_state(models.create_params(model_cfg, mesh))
     batch = trainer.place(host_batch)                  # the rollout's one host -> device crossing
     batch = batch.replace(ref_logprobs=trainer.ref_logprobs(ref_params, batch))
     state, metrics = trainer.step(state, batch)        # state is donated: do not reuse the old one
 
-Parameters keep the shardings of `M.param_shardings(cfg, mesh)` (FSDP x tensor
-through M.RULES); batch rows carry the logical 'batch' axis (('data', 'fsdp')).
+Parameters keep the shardings of `models.param_shardings(cfg, mesh)` (FSDP x tensor
+through models.RULES); batch rows carry the logical 'batch' axis (('data', 'fsdp')).
 The planner lowers the same programs through `abstract_state`, `abstract_batch`
 and `lower_step`, which share their layouts with `init_state` and `place`.
 """
@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from rlax import algorithms as A
-from rlax import models as M
+from rlax import algorithms
+from rlax import models
 from rlax.models import sharding as shd
 from rlax.models.init import abstract_params
 from rlax.trainer import objective as rl
@@ -33,10 +33,10 @@ from rlax.trainer.state import (MAX_UNROLLED_MICRO_BATCHES, TrainState, accumula
                                 split_micro_batches)
 
 
-def sft_loss(params, model_cfg: M.ModelConfig, batch: SFTBatch, *, num_tokens, chunk: int = 256
+def sft_loss(params, model_cfg: models.ModelConfig, batch: SFTBatch, *, num_tokens, chunk: int = 256
              ) -> tuple[jax.Array, dict]:
   """Token-mean cross-entropy of the loss_mask tokens, -sum(m * log p) / num_tokens (global count)."""
-  lp = M.token_logprobs(params, model_cfg, batch.tokens, input_mask=batch.input_mask.astype(bool), chunk=chunk)
+  lp = models.token_logprobs(params, model_cfg, batch.tokens, input_mask=batch.input_mask.astype(bool), chunk=chunk)
   m = batch.loss_mask.astype(jnp.float32)
   nll = -jnp.sum(lp * m)
   return nll / jnp.maximum(num_tokens, 1.0), {"nll_sum": jax.lax.stop_gradient(nll), "tokens": jnp.sum(m)}
@@ -50,10 +50,11 @@ class Trainer:
   if > 0, more micro-batches (the fewest that divide the batch evenly) until
   each device holds at most this many tokens per micro-batch -- on CPU this
   keeps activations in cache and is faster at equal math; logprob_chunk: the
-  sequence chunk of M.token_logprobs; temperature: the sampler's temperature.
+  sequence chunk of models.token_logprobs; temperature: the sampler's temperature.
   """
 
-  def __init__(self, model_cfg: M.ModelConfig, algo: A.AlgorithmConfig, optim: OptimizerConfig = OptimizerConfig(),
+  def __init__(self, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmConfig,
+               optim: OptimizerConfig = OptimizerConfig(),
                mesh: Optional[Mesh] = None, *, group_size: int, micro_batches: int = 1, micro_batch_tokens: int = 0,
                logprob_chunk: int = 256, temperature: float = 1.0):
     if micro_batches < 1 or group_size < 1 or micro_batch_tokens < 0:
@@ -87,7 +88,7 @@ class Trainer:
   def _make_state_shardings(self) -> Optional[TrainState]:
     if self.mesh is None:
       return None
-    shard = M.param_shardings(self.model_cfg, self.mesh)
+    shard = models.param_shardings(self.model_cfg, self.mesh)
     rep = NamedSharding(self.mesh, P())
     opt = jax.eval_shape(self.tx.init, abstract_params(self.model_cfg))
     opt_shard = optax.tree_map_params(self.tx, lambda _, s: s, opt, shard, transform_non_params=lambda _: rep)
@@ -203,7 +204,7 @@ class Trainer:
   # -- jitted bodies -------------------------------------------------------------------------------------------
   def _ref_logprobs(self, params, tokens, input_mask, start=0):
     def one(xs):
-      return M.token_logprobs(params, self.model_cfg, xs[0], input_mask=xs[1].astype(bool), chunk=self.chunk,
+      return models.token_logprobs(params, self.model_cfg, xs[0], input_mask=xs[1].astype(bool), chunk=self.chunk,
                               temperature=self.temperature, start=start)
     n = self.num_micro_batches(*tokens.shape)
     if n == 1:
@@ -216,7 +217,7 @@ class Trainer:
 
   def _rl_step(self, state: TrainState, batch: RolloutBatch):
     inputs = rl.loss_inputs(self.algo, batch, self.group_size)
-    num_tokens, num_seqs = A.denominators(inputs.loss_mask)
+    num_tokens, num_seqs = algorithms.denominators(inputs.loss_mask)
 
     def loss_fn(params, mb):
       return rl.rl_loss(params, self.model_cfg, self.algo, mb, num_tokens=num_tokens, num_seqs=num_seqs,
