@@ -193,13 +193,18 @@ def _coerce(value: Any, typ: Any, field: str) -> Any:
   raise ValueError(f"{field}={value!r}: expected {typ.__name__}, got {type(value).__name__}")
 
 
-def _section(cls, node: Any, path: str):
+def _fields(node: Any, names: list[str], path: str) -> dict[str, Any]:
+  """The ConfigDict node `path` as a dict; a key outside `names` is an error naming it."""
   values = dict(_plain(node) or {})
-  hints = typing.get_type_hints(cls)
-  names = [f.name for f in dataclasses.fields(cls)]
   unknown = sorted(set(values) - set(names))
   if unknown:
     raise ValueError(f"{path}.{unknown[0]} is not a config field; {path} has {', '.join(names)}")
+  return values
+
+
+def _section(cls, node: Any, path: str):
+  hints = typing.get_type_hints(cls)
+  values = _fields(node, [f.name for f in dataclasses.fields(cls)], path)
   return cls(**{k: _coerce(v, hints[k], f"{path}.{k}") for k, v in values.items()})
 
 
@@ -228,35 +233,27 @@ def load(cd: Any) -> RunConfig:
   workdir = top.get("workdir", "")
   if not isinstance(workdir, str) or not workdir.strip():
     raise ValueError(f"workdir={workdir!r}: give a directory for checkpoints and logs")
-  model = dict(_plain(top.get("model", {})))
-  bad = sorted(set(model) - {"preset", "overrides"})
-  if bad:
-    raise ValueError(f"model.{bad[0]} is not a config field; model has preset, overrides")
+  model = _fields(top.get("model"), ["preset", "overrides"], "model")
+  preset = model.get("preset", "w1")
   try:
-    model_cfg = models.preset(model.get("preset", "w1"), **dict(_plain(model.get("overrides", {})) or {}))
+    model_cfg = models.preset(preset, **dict(_plain(model.get("overrides", {})) or {}))
   except (TypeError, ValueError) as e:  # an unknown preset, override or value
     raise ValueError(f"model: {e}") from None
-  algo = dict(_plain(top.get("algorithm", {})))
+  algo = _fields(top.get("algorithm"), ["name", "kl_coef", "kl_estimator", "entropy_coef", "overrides"],
+                 "algorithm")
   name = algo.pop("name", "grpo")
   overrides = dict(_plain(algo.pop("overrides", {})) or {})
-  bad = sorted(set(algo) - {"kl_coef", "kl_estimator", "entropy_coef"})
-  if bad:
-    raise ValueError(f"algorithm.{bad[0]} is not a config field; algorithm has name, kl_coef, kl_estimator, "
-                     "entropy_coef, overrides")
   try:
     algorithm = algorithms.get_algorithm(name, **{**algo, **overrides})
   except (TypeError, ValueError) as e:
     raise ValueError(f"algorithm: {e}") from None
-  faults = dict(_plain(top.get("faults", {})) or {})
-  bad = sorted(set(faults) - {"lose_slice_at", "restore_slice_at"})
-  if bad:
-    raise ValueError(f"faults.{bad[0]} is not a config field; faults has lose_slice_at, restore_slice_at")
+  faults = _fields(top.get("faults"), ["lose_slice_at", "restore_slice_at"], "faults")
   sections = {k: _section(cls, top.get(k, {}), k) for k, cls in _SECTIONS.items() if k != "plan"}
   run = RunConfig(
       seed=_coerce(top.get("seed", 0), int, "seed"),
       workdir=os.path.abspath(os.path.expanduser(workdir)),  # orbax refuses relative paths
       deterministic=_coerce(top.get("deterministic", False), bool, "deterministic"),
-      model_preset=model.get("preset", "w1"), model=model_cfg,
+      model_preset=preset, model=model_cfg,
       topology=TopologyConfig.from_dict(_plain(top.get("topology", {}))), algorithm=algorithm,
       faults=FaultsConfig(parse_schedule(faults.get("lose_slice_at", ""), "faults.lose_slice_at"),
                           parse_schedule(faults.get("restore_slice_at", ""), "faults.restore_slice_at")),

@@ -36,12 +36,10 @@ class WeightsService:
     """Sends `version` through the transport; publishes it here when this process holds sampler devices."""
     if version <= self.pushed:
       raise ValueError(f"push version {version} is not newer than the last pushed version {self.pushed}")
-    t0 = time.perf_counter()
-    got, stats = self.transport.send(trainer_params, version)
+    got, stats = self.transport.send(trainer_params, version)  # stats: sync_s and what the transport measured
     self.pushed = version
     if got is not None:
       self.publish(got, version)
-    stats.setdefault("sync_s", time.perf_counter() - t0)
     return stats
 
   def end(self) -> None:
