@@ -34,15 +34,17 @@ FLAGS = flags.FLAGS
 
 
 def _tokenizer(vocab: int):
-  """Token id i is the word 't<i>' (as the peers' benchmarks do); ids 0-2 are pad, bos, eos."""
+  """Token id i is the word 't<i>' (as the peers' benchmarks do); ids 0-2 are pad, bos, eos; BOS first."""
   import tokenizers
-  from tokenizers import models, pre_tokenizers
+  from tokenizers import models, pre_tokenizers, processors
+  from rlax.models.hf_tokenizer import Tokenizer
   words = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
   words.update({f"t{i}": i for i in range(3, vocab)})
   tok = tokenizers.Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
   tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
   tok.add_special_tokens(["<pad>", "<bos>", "<eos>"])
-  return tok
+  tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+  return Tokenizer.from_backend(tok, bos="<bos>", eos="<eos>", pad="<pad>")
 
 
 def _even_fraction(completion: str, record):

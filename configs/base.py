@@ -13,8 +13,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.workdir = "runs/base"
   c.deterministic = False  # fixed staleness schedule ⇒ bitwise-reproducible resume
 
-  # Model: a preset name plus field overrides (rlax.models.config.ModelConfig).
-  c.model = ml_collections.ConfigDict(dict(preset="w1", overrides={}))
+  # Model: a preset name plus field overrides, or hf_checkpoint: a local HF directory (config.json,
+  # safetensors, tokenizer) whose config and weights the policy starts from (overrides still apply).
+  c.model = ml_collections.ConfigDict(dict(preset="w1", overrides={}, hf_checkpoint=""))
   c.init = ml_collections.ConfigDict(dict(sft_steps=0, sft_batch=64, sft_lr=1e-3))
 
   # Devices → slices → roles.
@@ -58,12 +59,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # prompt_style: "instruct" (the task's own prompt, answer in <answer> tags) or "compact"
   # (arithmetic only: "12+34=" → "46"); ops: keep arithmetic problems using only these operators.
+  # train_files / eval_files: the user's .jsonl / .parquet prompts (comma-separated) instead of the task;
+  # template: "chat" / "plain" / "auto" (chat when the tokenizer has a template); instruction: the user
+  # turn around {prompt}.
   c.data = ml_collections.ConfigDict(dict(task="arithmetic", difficulty=1, n_train=4096, n_eval=128,
-                                          eval_seed=12345, prompt_style="instruct", ops=""))
-  c.reward = ml_collections.ConfigDict(dict(name="arithmetic", workers=4, timeout_s=5.0))
+                                          eval_seed=12345, prompt_style="instruct", ops="", train_files="",
+                                          eval_files="", template="auto", system_prompt="",
+                                          instruction="{prompt}"))
+  # answer: where the final answer is found ("auto", "boxed", "last_number", "answer_tag");
+  # format_weight: reward for stating it in that format.
+  c.reward = ml_collections.ConfigDict(dict(name="arithmetic", answer="auto", format_weight=0.0, workers=4,
+                                            timeout_s=5.0))
   c.eval = ml_collections.ConfigDict(dict(n_samples=8, temperature=1.0))  # on data.n_eval held-out prompts
+  # export_every > 0: also write an HF directory every N steps (the final policy always goes to workdir/export).
   c.checkpoint = ml_collections.ConfigDict(dict(every_steps=50, every_seconds=600.0, keep=3,
-                                                grace_seconds=30.0))
+                                                grace_seconds=30.0, export_every=0))
   # Simulated slice preemption (rlax.failover): "slice:step,..." loses / restores a slice at a step boundary.
   c.faults = ml_collections.ConfigDict(dict(lose_slice_at="", restore_slice_at=""))
   return c

@@ -20,12 +20,12 @@ import time
 
 from absl import app, flags
 
-from launch.flags_util import parse_or_exit
+from launch.flags_util import define_workdir, parse_or_exit
 
 STEPS = flags.DEFINE_integer("steps", 24, "RL steps of the shrunk demo.")
 KILLS = flags.DEFINE_integer("kills", 5, "SIGKILLs to inject (>= 5 asked by the issue).")
 FAULT_SEED = flags.DEFINE_integer("fault_seed", 0, "Seed for kill steps and delays (not the run's config.seed).")
-WORKDIR = flags.DEFINE_string("workdir", "/tmp/rlax_fault_inject", "Parent of the ref/ and faulted/ workdirs.")
+WORKDIR = define_workdir("/tmp/rlax_fault_inject", "Parent of the ref/ and faulted/ workdirs.")
 EVERY = flags.DEFINE_integer("ckpt_every", 3, "Checkpoint period in steps.")
 
 

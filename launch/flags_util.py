@@ -47,6 +47,16 @@ def define_cpu_devices(default: int = 8) -> flags.FlagHolder[int]:
                               "launch.multihost job).")
 
 
+def define_workdir(default, help_text: str) -> flags.FlagHolder[str]:
+  """--workdir: a run's directory (default None: required)."""
+  return flags.DEFINE_string("workdir", default, help_text, required=default is None)
+
+
+def define_out(help_text: str) -> flags.FlagHolder[str]:
+  """--out: where an entry point writes its result (required)."""
+  return flags.DEFINE_string("out", None, help_text, required=True)
+
+
 def apply_cpu_devices() -> None:
   """Gives JAX's CPU backend --cpu_devices devices; call after flag parsing, before the first JAX operation.
 

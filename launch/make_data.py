@@ -8,7 +8,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from launch.flags_util import parse_or_exit
+from launch.flags_util import define_out, parse_or_exit
 from rlax.data import curation
 from rlax.data import records as records_lib
 from rlax.data import synthetic
@@ -17,7 +17,7 @@ _TASK = flags.DEFINE_enum("task", "arithmetic", sorted(synthetic.GENERATORS), "S
 _N = flags.DEFINE_integer("n", 1000, "Number of problems.")
 _DIFFICULTY = flags.DEFINE_integer("difficulty", 1, "Task difficulty (>= 1).")
 _SEED = flags.DEFINE_integer("seed", 0, "Generator seed.")
-_OUT = flags.DEFINE_string("out", None, "Output .jsonl path.", required=True)
+_OUT = define_out("Output .jsonl path.")
 _DEDUP = flags.DEFINE_bool("dedup", False, "Drop exact and near-duplicate prompts.")
 _DECON = flags.DEFINE_string("decontaminate", None, "Eval .jsonl whose prompts must not leak.")
 

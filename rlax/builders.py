@@ -10,13 +10,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+import numpy as np
+
 from rlax import models
 from rlax import rewards
 from rlax.config import RunConfig
 from rlax.data import synthetic
 from rlax.data import tokenizer as tok_lib
 from rlax.data.pipeline import RecordIterator
-from rlax.data.records import Record
+from rlax.data.prompts import PromptRenderer
+from rlax.data.records import Record, read_records
+from rlax.models import hf
+from rlax.models.hf_tokenizer import Tokenizer
 from rlax.multihost import Channel, local_roles
 from rlax.rollout import packing
 from rlax.sampler import Sampler
@@ -27,9 +32,14 @@ from rlax.weights import CrossProcessTransport, DevicePutTransport, WeightsServi
 
 
 # -- data and rewards --------------------------------------------------------------------------------------
-def tokenizer(run: RunConfig):
-  del run  # the built-in tasks share the demo's character tokenizer
-  return tok_lib.load_demo_tokenizer()
+def tokenizer(run: RunConfig) -> Tokenizer:
+  """The HF directory's tokenizer (special tokens, chat template, stop tokens), else the demo's."""
+  return hf.load_tokenizer(run.hf_checkpoint) if run.hf_checkpoint else tok_lib.demo_tokenizer()
+
+
+def renderer(run: RunConfig, tok: Tokenizer) -> PromptRenderer:
+  d = run.data
+  return PromptRenderer(tok, template=d.template, system_prompt=d.system_prompt, instruction=d.instruction)
 
 
 def _shape_records(records: list[Record], run: RunConfig) -> list[Record]:
@@ -45,23 +55,39 @@ def _shape_records(records: list[Record], run: RunConfig) -> list[Record]:
   return records
 
 
-def datasets(run: RunConfig) -> tuple[list[Record], list[Record]]:
-  """Train and held-out eval records of the configured synthetic task.
-
-  The eval set (n_eval distinct prompts, drawn with data.eval_seed) comes first; every training record
-  with an eval prompt is removed, so pass@k is measured on problems the policy never trained on.
-  """
-  d = run.data
+def _hold_out(candidates, n: int) -> tuple[list[Record], set]:
   held, seen = [], set()
-  for r in _shape_records(synthetic.generate(d.task, d.n_eval * 8, difficulty=d.difficulty, seed=d.eval_seed), run):
-    if r.prompt not in seen and len(held) < d.n_eval:
+  for r in candidates:
+    if r.prompt not in seen and len(held) < n:
       held.append(r)
       seen.add(r.prompt)
-  train = [r for r in _shape_records(synthetic.generate(d.task, d.n_train, difficulty=d.difficulty, seed=run.seed),
-                                     run) if r.prompt not in seen]
+  return held, seen
+
+
+def datasets(run: RunConfig) -> tuple[list[Record], list[Record]]:
+  """Train and held-out eval records: the configured synthetic task, or the user's files.
+
+  The eval set (n_eval distinct prompts: drawn with data.eval_seed, or the first of data.eval_files, or
+  held out of the training files with data.eval_seed) comes first; every training record with an eval
+  prompt is removed, so pass@k is measured on problems the policy never trained on.
+  """
+  d = run.data
+  if d.files("train"):
+    train = [r for path in d.files("train") for r in read_records(path)]
+    if d.files("eval"):
+      held, seen = _hold_out([r for path in d.files("eval") for r in read_records(path)], d.n_eval)
+    else:
+      order = np.random.default_rng(d.eval_seed).permutation(len(train))
+      held, seen = _hold_out([train[i] for i in order], d.n_eval)
+    train = [r for r in train if r.prompt not in seen]
+  else:
+    held, seen = _hold_out(_shape_records(synthetic.generate(d.task, d.n_eval * 8, difficulty=d.difficulty,
+                                                             seed=d.eval_seed), run), d.n_eval)
+    train = [r for r in _shape_records(synthetic.generate(d.task, d.n_train, difficulty=d.difficulty,
+                                                          seed=run.seed), run) if r.prompt not in seen]
   if not train or not held:
     raise ValueError(f"data: {len(train)} train / {len(held)} held-out records after filtering; "
-                     "widen data.ops, raise data.n_train or data.difficulty")
+                     "widen data.ops, raise data.n_train or data.difficulty, or add records")
   return train, held
 
 
@@ -70,7 +96,8 @@ def record_iterator(run: RunConfig, records: list[Record]) -> RecordIterator:
 
 
 def reward_fn(run: RunConfig):
-  return rewards.get(run.reward.name)
+  r = run.reward
+  return rewards.build(r.name, answer=r.answer, format_weight=r.format_weight)
 
 
 def verifier_pool(run: RunConfig) -> rewards.VerifierPool:
@@ -93,10 +120,11 @@ def sft_trainer(run: RunConfig, mesh) -> Trainer:
   return Trainer(run.model, run.algorithm, OptimizerConfig(lr=run.init.sft_lr, warmup_steps=10), mesh, group_size=1)
 
 
-def sampler(run: RunConfig, mesh) -> Sampler:
+def sampler(run: RunConfig, mesh, tok: Tokenizer) -> Sampler:
+  """Stops on every eos token of the tokenizer (chat models end a turn with several)."""
   r = run.rollout
   return Sampler(run.model, mesh, max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
-                 batch_size=max(r.rows, run.eval.n_samples * 16), eos_id=tok_lib.EOS_ID, pad_id=tok_lib.PAD_ID,
+                 batch_size=max(r.rows, run.eval.n_samples * 16), eos_id=tok.eos_ids, pad_id=tok.pad_id,
                  decode_chunk=r.decode_chunk or None)
 
 
@@ -112,11 +140,13 @@ def eval_method(run: RunConfig) -> SamplingMethod:
 # -- the parts a process holds -------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Components:
-  """What this process holds: trainer and/or sampler (None where another process holds it) and weights."""
+  """What this process holds: trainer and/or sampler (None where another process holds it) and weights;
+  the tokenizer the sampler stops with."""
   topology: Topology
   trainer: Optional[Trainer]
   sampler: Optional[Sampler]
   weights: WeightsService
+  tokenizer: Tokenizer
 
 
 def weights_service(run: RunConfig, topology: Topology, channel: Optional[Channel] = None) -> WeightsService:
@@ -136,18 +166,24 @@ def weights_service(run: RunConfig, topology: Topology, channel: Optional[Channe
   return WeightsService(transport, keep=run.controller.max_staleness + 1 if run.deterministic else 1)
 
 
-def components(run: RunConfig, topology: Topology, *, channel: Optional[Channel] = None,
-               reuse: Optional[Components] = None) -> Components:
-  """Builds this process's parts on `topology`; with `reuse`, parts whose mesh did not change are kept."""
+def components(run: RunConfig, topology: Topology, *, tok: Optional[Tokenizer] = None,
+               channel: Optional[Channel] = None, reuse: Optional[Components] = None) -> Components:
+  """Builds this process's parts on `topology`; with `reuse`, parts whose mesh did not change are kept.
+
+  `tok`: the tokenizer (default: `reuse`'s, else the run's)."""
+  tok = tok or (reuse.tokenizer if reuse is not None else tokenizer(run))
   has_trainer, has_sampler = local_roles(topology.trainer_mesh, topology.sampler_mesh)
   keep = lambda role: reuse is not None and getattr(reuse.topology, f"{role}_mesh") == getattr(topology,
                                                                                                f"{role}_mesh")
   tr = (reuse.trainer if keep("trainer") else trainer(run, topology.trainer_mesh)) if has_trainer else None
-  sa = (reuse.sampler if keep("sampler") else sampler(run, topology.sampler_mesh)) if has_sampler else None
-  return Components(topology, tr, sa, weights_service(run, topology, channel))
+  sa = (reuse.sampler if keep("sampler") else sampler(run, topology.sampler_mesh, tok)) if has_sampler else None
+  return Components(topology, tr, sa, weights_service(run, topology, channel), tok)
 
 
-def fresh_params(run: RunConfig, mesh) -> Any:
-  """Random parameters initialized straight into their shardings on the trainer mesh."""
+def initial_params(run: RunConfig, mesh) -> Any:
+  """The policy before RL, straight into its shardings on the trainer mesh: the HF checkpoint's weights
+  (each device reads only its slice of the safetensors) or a random init from the seed."""
+  if run.hf_checkpoint:
+    return hf.load_checkpoint(run.hf_checkpoint, mesh, cfg=run.model)[1]
   return models.create_params(run.model, mesh, seed=run.seed)
 

@@ -90,7 +90,12 @@ class WeightsConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """The built-in synthetic task and its held-out split (`n_eval` prompts drawn with `eval_seed`)."""
+  """Prompts: a built-in synthetic task or the user's files; the held-out split; how prompts are rendered.
+
+  With `train_files` (comma-separated .jsonl / .parquet, schema in rlax.data.records) the task fields
+  are ignored; the eval set is `eval_files`, or else `n_eval` prompts held out of the training files.
+  Prompts longer than rollout.max_prompt_len tokens after rendering are dropped and counted.
+  """
   task: str = "arithmetic"
   difficulty: int = 1
   n_train: int = 4096
@@ -98,11 +103,23 @@ class DataConfig:
   eval_seed: int = 12345
   prompt_style: str = "instruct"  # or "compact" (arithmetic, digit_sort)
   ops: str = ""                   # arithmetic: keep problems using only these operators
+  train_files: str = ""
+  eval_files: str = ""
+  template: str = "auto"          # "chat" (the tokenizer's chat template), "plain", or "auto"
+  system_prompt: str = ""
+  instruction: str = "{prompt}"   # the user turn; {prompt} is the record's prompt
+
+  def files(self, which: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in getattr(self, f"{which}_files").split(",") if p.strip())
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
+  """The reward by name; `answer`: how a final answer is found in free text; `format_weight`: bonus for
+  stating it in that format."""
   name: str = "arithmetic"
+  answer: str = "auto"            # "auto", "boxed", "last_number" or "answer_tag"
+  format_weight: float = 0.0
   workers: int = 4
   timeout_s: float = 5.0
 
@@ -116,10 +133,13 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
+  """Orbax checkpoints of the train state; `export_every` > 0 also writes an HF directory every N steps
+  (the final policy is always exported to <workdir>/export)."""
   every_steps: int = 50
   every_seconds: float = 600.0
   keep: int = 3
   grace_seconds: float = 30.0
+  export_every: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +175,7 @@ class RunConfig:
   deterministic: bool
   model_preset: str
   model: models.ModelConfig
+  hf_checkpoint: str              # absolute path of the HF directory the policy starts from; "" = random init
   init: InitConfig
   topology: TopologyConfig
   algorithm: algorithms.AlgorithmConfig
@@ -224,6 +245,21 @@ def parse_schedule(spec: str, field: str) -> tuple[tuple[int, int], ...]:
   return tuple(out)
 
 
+def _hf_model(path: str, overrides: dict) -> tuple[str, models.ModelConfig]:
+  """(absolute dir, ModelConfig from its config.json): f32 master weights and bf16 compute unless overridden."""
+  from rlax.models import hf  # pylint: disable=g-import-not-at-top
+  from rlax.models import config as model_config  # pylint: disable=g-import-not-at-top
+  path = os.path.abspath(os.path.expanduser(path))
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    raise ValueError(f"model.hf_checkpoint={path!r}: no config.json there (an HF model directory is needed)")
+  try:
+    base = hf.read_config(path)
+    fields = {**dataclasses.asdict(base), "param_dtype": "float32", "dtype": "bfloat16", **overrides}
+    return path, model_config.from_dict(fields)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"model.hf_checkpoint={path!r}: {e}") from None
+
+
 def load(cd: Any) -> RunConfig:
   """ConfigDict (or nested dict) → validated RunConfig; raises ValueError naming the offending field."""
   top = dict(_plain(cd))
@@ -233,12 +269,18 @@ def load(cd: Any) -> RunConfig:
   workdir = top.get("workdir", "")
   if not isinstance(workdir, str) or not workdir.strip():
     raise ValueError(f"workdir={workdir!r}: give a directory for checkpoints and logs")
-  model = _fields(top.get("model"), ["preset", "overrides"], "model")
+  model = _fields(top.get("model"), ["preset", "overrides", "hf_checkpoint"], "model")
   preset = model.get("preset", "w1")
-  try:
-    model_cfg = models.preset(preset, **dict(_plain(model.get("overrides", {})) or {}))
-  except (TypeError, ValueError) as e:  # an unknown preset, override or value
-    raise ValueError(f"model: {e}") from None
+  hf_dir = _coerce(model.get("hf_checkpoint", ""), str, "model.hf_checkpoint")
+  overrides = dict(_plain(model.get("overrides", {})) or {})
+  if hf_dir:
+    hf_dir, model_cfg = _hf_model(hf_dir, overrides)
+    preset = "hf"
+  else:
+    try:
+      model_cfg = models.preset(preset, **overrides)
+    except (TypeError, ValueError) as e:  # an unknown preset, override or value
+      raise ValueError(f"model: {e}") from None
   algo = _fields(top.get("algorithm"), ["name", "kl_coef", "kl_estimator", "entropy_coef", "overrides"],
                  "algorithm")
   name = algo.pop("name", "grpo")
@@ -249,11 +291,14 @@ def load(cd: Any) -> RunConfig:
     raise ValueError(f"algorithm: {e}") from None
   faults = _fields(top.get("faults"), ["lose_slice_at", "restore_slice_at"], "faults")
   sections = {k: _section(cls, top.get(k, {}), k) for k, cls in _SECTIONS.items() if k != "plan"}
+  d = sections["data"]
+  absolute = lambda spec: ",".join(os.path.abspath(os.path.expanduser(p)) for p in spec.split(",") if p.strip())
+  sections["data"] = dataclasses.replace(d, train_files=absolute(d.train_files), eval_files=absolute(d.eval_files))
   run = RunConfig(
       seed=_coerce(top.get("seed", 0), int, "seed"),
       workdir=os.path.abspath(os.path.expanduser(workdir)),  # orbax refuses relative paths
       deterministic=_coerce(top.get("deterministic", False), bool, "deterministic"),
-      model_preset=preset, model=model_cfg,
+      model_preset=preset, model=model_cfg, hf_checkpoint=hf_dir,
       topology=TopologyConfig.from_dict(_plain(top.get("topology", {}))), algorithm=algorithm,
       faults=FaultsConfig(parse_schedule(faults.get("lose_slice_at", ""), "faults.lose_slice_at"),
                           parse_schedule(faults.get("restore_slice_at", ""), "faults.restore_slice_at")),
@@ -323,10 +368,24 @@ def validate(run: RunConfig) -> None:
        "data.n_train, data.n_eval and data.difficulty must be >= 1"),
       (run.data.prompt_style in ("instruct", "compact"),
        f"data.prompt_style={run.data.prompt_style!r}: use 'instruct' or 'compact'"),
+      (run.data.template in ("auto", "chat", "plain"),
+       f"data.template={run.data.template!r}: use 'auto', 'chat' or 'plain'"),
+      ("{prompt}" in run.data.instruction, f"data.instruction={run.data.instruction!r} must contain '{{prompt}}'"),
+      (run.data.train_files or not run.data.eval_files, "data.eval_files needs data.train_files"),
+      (run.reward.answer in ("auto", "boxed", "last_number", "answer_tag"),
+       f"reward.answer={run.reward.answer!r}: use 'auto', 'boxed', 'last_number' or 'answer_tag'"),
+      (run.reward.format_weight >= 0, f"reward.format_weight={run.reward.format_weight} must be >= 0"),
+      (ck.export_every >= 0, f"checkpoint.export_every={ck.export_every} must be >= 0 (0: final export only)"),
   ]
   for ok, msg in checks:
     if not ok:
       raise ValueError(msg)
+  for which in ("train", "eval"):
+    for path in run.data.files(which):
+      if not path.endswith((".jsonl", ".json", ".parquet")):
+        raise ValueError(f"data.{which}_files: {path!r} is not a .jsonl or .parquet file")
+      if not os.path.isfile(path):
+        raise ValueError(f"data.{which}_files: {path!r} does not exist")
 
 
 def to_dict(run: RunConfig) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 pass@k (Chen et al. 2021) from n ≥ k samples of which c are correct is 1 - C(n-c, k)/C(n, k),
 computed as the product 1 - ∏_{i=n-c+1}^{n} (1 - k/i), which never forms the huge binomials.
-`evaluate` takes the controller's own `generate_fn(prompts, n) -> [[completion] * n]` and a
+`evaluate` takes the controller's own `generate_fn(records, n) -> [[completion] * n]` and a
 reward function, and reports pass@k overall and per record source, plus the mean reward.
 """
 
@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 from absl import logging
 import numpy as np
 
-GenerateFn = Callable[[list[str], int], list[list[str]]]
+GenerateFn = Callable[[list, int], list[list[str]]]  # (records, n) → n completions each
 RewardFn = Callable[[str, object], tuple[float, dict]]
 
 
@@ -48,7 +48,7 @@ def evaluate(generate_fn: GenerateFn, records: Sequence, reward_fn: RewardFn, n:
   correct, rewards_all = [], []
   for start in range(0, len(records), batch_size):
     chunk = list(records[start:start + batch_size])
-    outs = generate_fn([r.prompt for r in chunk], n)
+    outs = generate_fn(chunk, n)
     if len(outs) != len(chunk) or any(len(o) != n for o in outs):
       raise ValueError(f"generate_fn returned {[len(o) for o in outs]} for {len(chunk)} prompts x n={n}")
     flat_c = [c for o in outs for c in o]

@@ -44,9 +44,9 @@ def test_evaluate_on_stub_policy_per_source():
   correct = {"a0": 4, "a1": 0, "b0": 2, "b1": 1}
   recs = [Record(id=k, prompt=k, answer="yes", source=k[0]) for k in correct]
 
-  def generate_fn(prompts, n):
-    return [["<answer>yes</answer>"] * correct[p] + ["<answer>no</answer>"] * (n - correct[p])
-            for p in prompts]
+  def generate_fn(records, n):
+    return [["<answer>yes</answer>"] * correct[r.prompt] + ["<answer>no</answer>"] * (n - correct[r.prompt])
+            for r in records]
 
   def reward_fn(c, r):
     return float("yes" in c), {}
@@ -67,8 +67,8 @@ def test_evaluate_with_verifier_pool():
   from rlax import rewards  # pylint: disable=g-import-not-at-top
   recs = [Record(id=str(i), prompt=str(i), answer=str(i), task="arithmetic") for i in range(6)]
 
-  def generate_fn(prompts, n):
-    return [[f"<answer>{p}</answer>" if int(p) % 2 else "<answer>x</answer>"] * n for p in prompts]
+  def generate_fn(records, n):
+    return [[f"<answer>{r.prompt}</answer>" if int(r.prompt) % 2 else "<answer>x</answer>"] * n for r in records]
 
   with rewards.VerifierPool(num_workers=3) as pool:
     m = evaluation.evaluate(generate_fn, recs, rewards.get("arithmetic"), n=2, ks=(1,),

@@ -20,7 +20,7 @@ import numpy as np
 
 from rlax.data.records import Record
 
-GenerateFn = Callable[[list[str], int], list[list[str]]]
+GenerateFn = Callable[[list[Record], int], list[list[str]]]  # (records, k) → k completions each
 RewardFn = Callable[[str, Record], tuple[float, dict]]
 
 
@@ -135,12 +135,12 @@ def estimate_pass_rates(records: Sequence[Record], generate_fn: GenerateFn, rewa
                         k: int = 8, batch_size: int = 64, success: float = 0.5) -> np.ndarray:
   """Pass rate [N] of the policy: the fraction of k samples per prompt with reward > `success`.
 
-  `generate_fn(prompts, k)` returns k completions per prompt (the controller plugs in the sampler).
+  `generate_fn(records, k)` returns k completions per record (the controller plugs in the sampler).
   """
   rates = np.zeros(len(records), dtype=np.float64)
   for start in range(0, len(records), batch_size):
     chunk = records[start:start + batch_size]
-    outs = generate_fn([r.prompt for r in chunk], k)
+    outs = generate_fn(chunk, k)
     if len(outs) != len(chunk) or any(len(o) != k for o in outs):
       raise ValueError(f"generate_fn returned {[len(o) for o in outs]} completions for "
                        f"{len(chunk)} prompts x k={k}")

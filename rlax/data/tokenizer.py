@@ -12,7 +12,9 @@ import os
 import string
 
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors
+
+from rlax.models.hf_tokenizer import Tokenizer
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
@@ -39,6 +41,13 @@ def load_demo_tokenizer() -> tokenizers.Tokenizer:
   if os.path.exists(ASSET_PATH):
     return tokenizers.Tokenizer.from_file(ASSET_PATH)
   return build_demo_tokenizer()
+
+
+def demo_tokenizer() -> Tokenizer:
+  """The demo tokenizer as the runtime uses it: BOS prepended by `encode`, EOS ends a response."""
+  backend = load_demo_tokenizer()
+  backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS_ID)])
+  return Tokenizer.from_backend(backend, bos="<bos>", eos="<eos>", pad="<pad>")
 
 
 def encode(tok: tokenizers.Tokenizer, text: str, add_bos: bool = True,

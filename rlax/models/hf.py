@@ -159,16 +159,27 @@ def read_config(path: str, dtype=None) -> ModelConfig:
   return config_from_hf(hf, dtype=None if dtype is None else jnp.dtype(dtype).name)
 
 
-def load_checkpoint(path: str, mesh: Optional[Mesh] = None, dtype=None, rules=sharding.RULES
-                    ) -> tuple[ModelConfig, transformer.Params]:
+def load_checkpoint(path: str, mesh: Optional[Mesh] = None, dtype=None, rules=sharding.RULES,
+                    cfg: Optional[ModelConfig] = None) -> tuple[ModelConfig, transformer.Params]:
   """(cfg, params) from an HF checkpoint directory, each array placed straight into its sharding.
 
   `path` holds config.json and model.safetensors (or shards + model.safetensors.index.json).
   With `mesh`, parameters get `param_shardings(cfg, mesh, rules)`; without, the
   first local device. `dtype` overrides the checkpoint dtype for params and compute.
+  `cfg` replaces the config read from config.json (e.g. other dtypes or remat); its
+  architecture and shapes must be the checkpoint's.
   A missing, misshapen or unexpected tensor raises one ValueError naming it.
   """
-  cfg = read_config(path, dtype)
+  own = read_config(path, dtype)
+  if cfg is not None:
+    numerics = ("param_dtype", "dtype", "remat", "scan_layers")
+    differ = [f.name for f in dataclasses.fields(ModelConfig)
+              if f.name not in numerics and getattr(cfg, f.name) != getattr(own, f.name)]
+    if differ:
+      raise ValueError(f"checkpoint {path}: model config differs from config.json in {differ[0]} "
+                       f"({getattr(cfg, differ[0])!r} vs {getattr(own, differ[0])!r})")
+  else:
+    cfg = own
   files = _tensor_files(path)
   expected = _expected(cfg)
   with contextlib.ExitStack() as stack:

@@ -36,6 +36,32 @@ class Tokenizer:
   def vocab_size(self) -> int:
     return self.backend.get_vocab_size(with_added_tokens=True)
 
+  @property
+  def bos_id(self) -> Optional[int]:
+    return self.token_id("bos_token")
+
+  @property
+  def eos_ids(self) -> tuple[int, ...]:
+    """Every token that ends a response (the tokenizer's eos and generation_config's eos_token_id)."""
+    return self.eos_token_ids
+
+  @property
+  def pad_id(self) -> int:
+    """Fills positions that every mask excludes; any real id works, so fall back to eos, then 0."""
+    pad = self.token_id("pad_token")
+    return pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+
+  @classmethod
+  def from_backend(cls, backend: tokenizers.Tokenizer, *, bos: Optional[str] = None, eos: Optional[str] = None,
+                   pad: Optional[str] = None, chat_template: Optional[str] = None) -> "Tokenizer":
+    """Wraps a `tokenizers.Tokenizer` whose special tokens are named by their text."""
+    special = {k: v for k, v in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad)) if v is not None}
+    for k, v in special.items():
+      if backend.token_to_id(v) is None:
+        raise ValueError(f"{k} {v!r} is not in the tokenizer's vocabulary")
+    eos_ids = (backend.token_to_id(eos),) if eos is not None else ()
+    return cls(backend=backend, special_tokens=special, chat_template=chat_template, eos_token_ids=eos_ids)
+
   def token_id(self, name: str) -> Optional[int]:
     """Id of a special token by role ('bos_token', 'eos_token', 'pad_token'), or None."""
     tok = self.special_tokens.get(name)

@@ -3,10 +3,16 @@ DAPO overlong length penalty.
 
 Every reward has the registry signature `reward_fn(completion, record) -> (reward, info)`; `info`
 says what was extracted and why the reward is what it is, so failures can be audited.
+
+Final answers in free model text are found by an answer mode (`ANSWER_MODES`, see
+`extract_final`): 'boxed' (the last `\\boxed{...}`), 'last_number', 'answer_tag', or 'auto' (tag,
+else box, else last number). The exact and arithmetic rewards take `answer=`; their default 'auto'
+keeps the original extraction (tag, else last number) so existing configs grade as before.
 """
 
 from __future__ import annotations
 
+import fractions
 import re
 import unicodedata
 
@@ -17,6 +23,108 @@ from rlax.data import expr
 _TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _FORMAT = re.compile(r"^\s*(?:<think>.*?</think>\s*)?.*?<answer>.+?</answer>\s*$", re.DOTALL)
+
+ANSWER_MODES = ("auto", "boxed", "last_number", "answer_tag")
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# A number in prose: a LaTeX fraction, or a signed integer (thousands groups `1,234` or plain digits)
+# with an optional decimal part or `/denominator`. A '-' is a sign only where it cannot be a binary
+# minus (not after a word character or a closing bracket), so "10-3" yields 10 and 3; "1,2345" and
+# "1,234,5" are not thousands groups.
+_SIGN = r"(?:(?<![\w)\]}])[-\u2212])?"
+_INT = r"(?:\d{1,3}(?:,\d{3})+(?!\d|,\d)|\d+)"
+_LATEX_FRAC = r"\\[dt]?frac\s*\{\s*(-?\d+)\s*\}\s*\{\s*(\d+)\s*\}"
+_NUM = re.compile(_SIGN + r"(?:" + _LATEX_FRAC + r"|" + _INT + r"(?:\.\d+|/\d+)?)")
+_FULL_NUM = re.compile(r"([-\u2212]?)(?:" + _LATEX_FRAC + r"|(" + _INT + r")(?:\.(\d+)|/(\d+))?)")
+
+
+def check_answer_mode(mode: str) -> str:
+  """Returns `mode` if it is one of ANSWER_MODES, else one ValueError naming the config field."""
+  if mode not in ANSWER_MODES:
+    raise ValueError(f"reward.answer={mode!r} is not an answer mode; choose from {list(ANSWER_MODES)}")
+  return mode
+
+
+def _boxes(text: str) -> list[tuple[int, int, str]]:
+  """(start, end, content) of each complete top-level box, braces matched; unclosed ones skipped."""
+  out, pos = [], 0
+  while (m := _BOX.search(text, pos)) is not None:
+    depth, i = 1, m.end()
+    while i < len(text) and depth:
+      if text[i] == "\\":
+        i += 2  # `\{` and `\}` are literal braces, not grouping
+        continue
+      depth += (text[i] == "{") - (text[i] == "}")
+      i += 1
+    if depth:  # truncated output: a later box may still be complete
+      pos = m.end()
+      continue
+    out.append((m.start(), i, text[m.end():i - 1]))
+    pos = i
+  return out
+
+
+def extract_boxed(completion: str) -> str | None:
+  """Content of the last complete `\\boxed{...}` (or `\\fbox{...}`), stripped; None if none or empty.
+
+  Braces nest (`\\boxed{\\frac{1}{2}}` gives `\\frac{1}{2}`); a box inside a box is part of the outer
+  one, except that a box whose whole content is one box is unwrapped (`\\boxed{\\boxed{3}}` gives 3).
+  An unclosed box (a truncated completion) is ignored.
+  """
+  boxes = _boxes(completion)
+  found = boxes[-1][2].strip() if boxes else None
+  while found:
+    inner = _boxes(found)
+    if len(inner) != 1 or inner[0][:2] != (0, len(found)):
+      break
+    found = inner[0][2].strip()
+  return found or None
+
+
+def extract_last_number(completion: str) -> str | None:
+  """The last number in the text, as written: `42`, `-3.5`, `1,234`, `3/4`, `\\frac{3}{4}`; or None."""
+  found = [m.group(0) for m in _NUM.finditer(completion)]
+  return found[-1] if found else None
+
+
+def parse_number(text: str) -> fractions.Fraction | None:
+  """The exact value of `text` if the whole of it is one number (forms as in `extract_last_number`;
+  surrounding `$`, spaces and a final period allowed), else None."""
+  text = text.strip().rstrip(".").strip().strip("$").strip().rstrip(".")
+  m = _FULL_NUM.fullmatch(text)
+  if m is None:
+    return None
+  sign, fnum, fden, whole, dec, den = m.groups()
+  if fnum is not None:
+    num, div = int(fnum), int(fden)
+  else:
+    num, div = int(whole.replace(",", "") + (dec or "")), int(den) if den else 10 ** len(dec or "")
+  if div == 0:
+    return None
+  value = fractions.Fraction(num, div)
+  return -value if sign else value
+
+
+def extract_final(completion: str, mode: str = "auto") -> tuple[str | None, str | None]:
+  """(answer, where it was found) under an answer mode; (None, None) if there is none.
+
+  'answer_tag': the last `<answer>` content; 'boxed': the last box (`extract_boxed`);
+  'last_number': `extract_last_number`; 'auto': the first of those three that is present. An empty
+  tag or box counts as absent.
+  """
+  order = {"auto": ("answer_tag", "boxed", "last_number")}.get(check_answer_mode(mode), (mode,))
+  for where in order:
+    found = {"answer_tag": extract_tag, "boxed": extract_boxed,
+             "last_number": extract_last_number}[where](completion)
+    if found:
+      return found, where
+  return None, None
+
+
+def has_answer_format(completion: str, mode: str = "auto") -> bool:
+  """Whether the completion states a final answer the way `mode` asks: a non-empty `<answer>` tag
+  ('answer_tag'), a complete non-empty box ('boxed'), a number ('last_number'), or any of them
+  ('auto')."""
+  return extract_final(completion, mode)[0] is not None
 
 
 def extract_tag(completion: str) -> str | None:
@@ -47,11 +155,39 @@ def _need_answer(record) -> str:
   return record.answer
 
 
-def exact_reward(completion: str, record) -> tuple[float, dict]:
-  """1.0 if the extracted answer equals the reference after `normalize_answer`."""
+_MISSING = {"auto": "no answer tag, box or number", "boxed": "no complete non-empty \\boxed{}",
+            "last_number": "no number", "answer_tag": "no non-empty <answer> tag"}
+
+
+def missing_reason(mode: str) -> str:
+  """Why `extract_final(completion, mode)` found nothing, for info dicts."""
+  return _MISSING[check_answer_mode(mode)]
+
+
+def _extract(completion: str, answer: str) -> tuple[str | None, str | None]:
+  """Original extraction (tag, else last number) for 'auto', else `extract_final`."""
+  if check_answer_mode(answer) != "auto":
+    return extract_final(completion, answer)
+  tag = extract_tag(completion)
+  if tag is not None:
+    return tag, "answer_tag"
   pred = extract_answer(completion)
-  ok = pred is not None and normalize_answer(pred) == normalize_answer(_need_answer(record))
-  return float(ok), {"extracted": pred, "reason": "match" if ok else "mismatch or no answer"}
+  return pred, None if pred is None else "last_number"
+
+
+def exact_reward(completion: str, record, answer: str = "auto") -> tuple[float, dict]:
+  """1.0 if the extracted answer equals the reference after `normalize_answer`.
+
+  `answer` is the answer mode (`extract_final`); the default 'auto' keeps the original extraction:
+  the `<answer>` content, else the last number.
+  """
+  ref = _need_answer(record)
+  pred, where = _extract(completion, answer)
+  if pred is None:
+    return 0.0, {"extracted": None, "mode": answer, "reason": missing_reason(answer)}
+  ok = normalize_answer(pred) == normalize_answer(ref)
+  return float(ok), {"extracted": pred, "mode": answer, "found_by": where,
+                     "reason": "match" if ok else "mismatch"}
 
 
 def format_reward(completion: str, record=None) -> tuple[float, dict]:
@@ -62,14 +198,34 @@ def format_reward(completion: str, record=None) -> tuple[float, dict]:
   return float(ok), {"reason": "ok" if ok else f"bad format ({n_tags} answer tags)"}
 
 
-def arithmetic_reward(completion: str, record) -> tuple[float, dict]:
-  """1.0 if the extracted answer is the reference integer (thousands separators allowed)."""
-  pred = extract_answer(completion)
-  try:
-    ok = pred is not None and int(normalize_answer(pred)) == int(_need_answer(record))
-  except ValueError:
-    return 0.0, {"extracted": pred, "reason": "answer is not an integer"}
-  return float(ok), {"extracted": pred, "reason": "correct" if ok else "wrong value"}
+def arithmetic_reward(completion: str, record, answer: str = "auto") -> tuple[float, dict]:
+  """1.0 if the extracted answer is the reference number.
+
+  With the default answer mode 'auto' (original behaviour): the `<answer>` content, else the last
+  number, must be the reference integer (thousands separators allowed). With another mode, the
+  extracted text must be one number (integer, decimal, `a/b` or `\\frac{a}{b}`) exactly equal to
+  the reference's value, so `\\boxed{12.0}` matches 12 and `\\boxed{x=12}` does not.
+  """
+  if check_answer_mode(answer) == "auto":
+    pred = extract_answer(completion)
+    try:
+      ok = pred is not None and int(normalize_answer(pred)) == int(_need_answer(record))
+    except ValueError:
+      return 0.0, {"extracted": pred, "mode": answer, "reason": "answer is not an integer"}
+    return float(ok), {"extracted": pred, "mode": answer, "reason": "correct" if ok else "wrong value"}
+  ref = parse_number(_need_answer(record))
+  if ref is None:
+    raise ValueError(f"record {record.id}: reference answer {record.answer!r} is not a number")
+  pred, where = extract_final(completion, answer)
+  if pred is None:
+    return 0.0, {"extracted": None, "mode": answer, "reason": missing_reason(answer)}
+  value = parse_number(pred)
+  if value is None:
+    return 0.0, {"extracted": pred, "mode": answer, "found_by": where,
+                 "reason": "answer is not a number"}
+  ok = value == ref
+  return float(ok), {"extracted": pred, "mode": answer, "found_by": where, "value": str(value),
+                     "reason": "correct" if ok else "wrong value"}
 
 
 def countdown_reward(completion: str, record) -> tuple[float, dict]:

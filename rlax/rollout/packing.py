@@ -12,7 +12,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from rlax.data import tokenizer as tok_lib
+from rlax.data.prompts import PromptRenderer
 from rlax.data.records import Record
 from rlax.sampler import SampleOutput, strategies
 from rlax.trainer.batch import RolloutBatch, response_loss_mask
@@ -29,10 +29,6 @@ def strategy(temperature: float, top_k: int = 0, top_p: float = 1.0) -> strategi
   return strategies.Temperature(temperature)
 
 
-def encode_prompts(tokenizer, records: Sequence[Record]) -> list[list[int]]:
-  return [tok_lib.encode(tokenizer, r.prompt) for r in records]
-
-
 def to_host(out: SampleOutput) -> SampleOutput:
   """The sampler output with every array fetched to the host in one transfer."""
   return jax.device_get(out)
@@ -41,7 +37,7 @@ def to_host(out: SampleOutput) -> SampleOutput:
 def completions(tokenizer, out: SampleOutput) -> list[str]:
   """Decoded response text of every row (EOS and padding dropped); `out` on the host."""
   toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
-  return [tok_lib.decode(tokenizer, t[:n]) for t, n in zip(toks, lens)]
+  return [tokenizer.decode(t[:n]) for t, n in zip(toks, lens)]
 
 
 def pack(out: SampleOutput, rewards: np.ndarray, prompt_len: int) -> RolloutBatch:
@@ -93,19 +89,19 @@ def empty_batch(batch: int, prompt_len: int, new_tokens: int) -> RolloutBatch:
                       group_ids=z(batch, d=np.int32), prompt_len=prompt_len)
 
 
-def text_generate_fn(sampler, tokenizer, method: strategies.SamplingMethod, seed: int, step: int):
-  """A `generate_fn(prompts: list[str], n) -> list[list[str]]` over the sampler (for eval and curation)."""
+def text_generate_fn(sampler, render: PromptRenderer, method: strategies.SamplingMethod, seed: int, step: int):
+  """A `generate_fn(records, n) -> list[list[str]]` over the sampler (for eval and curation)."""
   calls = [0]
 
-  def generate(prompts: list[str], n: int) -> list[list[str]]:
+  def generate(records: Sequence[Record], n: int) -> list[list[str]]:
     per_call = max(1, sampler.batch_size // n)
     texts: list[str] = []
-    for lo in range(0, len(prompts), per_call):
-      ids = [tok_lib.encode(tokenizer, p) for p in prompts[lo:lo + per_call]]
+    for lo in range(0, len(records), per_call):
+      ids = render.encode_all(records[lo:lo + per_call])
       out = sampler.generate(ids, samples_per_prompt=n, strategy=method, seed=seed, step=step,
                              prompt_ids=list(range(calls[0], calls[0] + len(ids))))
       calls[0] += len(ids)
-      texts += completions(tokenizer, to_host(out))
-    return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
+      texts += completions(render.tokenizer, to_host(out))
+    return [texts[i * n:(i + 1) * n] for i in range(len(records))]
 
   return generate

@@ -19,6 +19,7 @@ import numpy as np
 
 from rlax.data.dynamic_sampling import GroupBuffer, informative_groups
 from rlax.rollout import packing
+from rlax.rollout import stats as rollout_stats
 from rlax.rollout.queue import Closed, Rollout
 from rlax.topology import SliceLostError
 
@@ -33,10 +34,10 @@ class RolloutProducer:
   slices are lost (failover). `rollout` is the run's RolloutConfig; `max_staleness` k.
   """
 
-  def __init__(self, *, sampler, weights, data, tokenizer, reward_fn, grade, method, rollout, max_staleness: int,
+  def __init__(self, *, sampler, weights, data, render, reward_fn, grade, method, rollout, max_staleness: int,
                deterministic: bool, dynamic_sampling: bool, seed: int, sink: Callable[[Rollout], Any],
                ensure_alive: Callable[[Any], None] = lambda mesh: None):
-    self.sampler, self.weights, self.data, self.tokenizer = sampler, weights, data, tokenizer
+    self.sampler, self.weights, self.data, self.render = sampler, weights, data, render
     self.reward_fn, self.grade, self.method, self.r = reward_fn, grade, method, rollout
     self.k, self.deterministic, self.dynamic, self.seed = max_staleness, deterministic, dynamic_sampling, seed
     self.sink, self.ensure_alive = sink, ensure_alive
@@ -61,43 +62,47 @@ class RolloutProducer:
 
   # -- one batch -------------------------------------------------------------------------------------------
   def _round(self, s: int, rnd: int):
-    """One sampling round of P prompts x G samples → (packed numpy batch, response lengths, seconds)."""
+    """One sampling round of P prompts x G samples → (packed numpy batch, per-row info, seconds).
+
+    Per-row info: response lengths, truncated (hit max_new_tokens), record sources."""
     P, G = self.r.prompts_per_step, self.r.samples_per_prompt
     records = self.data.next_batch(P)
     t0 = time.perf_counter()
     self.ensure_alive(self.sampler.mesh)
-    out = self.sampler.generate(packing.encode_prompts(self.tokenizer, records), samples_per_prompt=G,
+    out = self.sampler.generate(self.render.encode_all(records), samples_per_prompt=G,
                                 strategy=self.method, seed=self.seed, step=s,
                                 prompt_ids=[(s * MAX_ROUNDS + rnd) * P + i for i in range(len(records))],
                                 on_chunk=self._inflight if self.r.inflight_updates else None)
     out = packing.to_host(out)  # the one device → host crossing of this round
     t1 = time.perf_counter()
-    graded = self.grade(self.reward_fn, packing.completions(self.tokenizer, out),
+    graded = self.grade(self.reward_fn, packing.completions(self.render.tokenizer, out),
                         [rec for rec in records for _ in range(G)])
     rewards = np.array([g[0] for g in graded], np.float32)
     batch = packing.pack(out, rewards, self.sampler.max_prompt_len)
-    return batch, np.asarray(out.lengths), t1 - t0, time.perf_counter() - t1
+    rows = (np.asarray(out.lengths), rollout_stats.truncated_from_finish_reason(out.finish_reason),
+            np.array([rec.source for rec in records for _ in range(G)], dtype=object))
+    return batch, rows, t1 - t0, time.perf_counter() - t1
 
-  def batch(self, s: int) -> tuple[Any, np.ndarray, dict]:
-    """Batch s, graded and packed → (RolloutBatch, response lengths, stats)."""
+  def batch(self, s: int) -> tuple[Any, tuple[np.ndarray, ...], dict]:
+    """Batch s, graded and packed → (RolloutBatch, per-row (lengths, truncated, sources), stats)."""
     P, G = self.r.prompts_per_step, self.r.samples_per_prompt
     if not self.dynamic:
-      batch, lens, t_gen, t_rew = self._round(s, 0)
-      return batch, lens, {"gen_s": t_gen, "reward_s": t_rew}
+      batch, rows, t_gen, t_rew = self._round(s, 0)
+      return batch, rows, {"gen_s": t_gen, "reward_s": t_rew}
     buf = GroupBuffer(P)
     t_gen = t_rew = 0.0
     for rnd in range(MAX_ROUNDS):
-      batch, lens, g, w = self._round(s, rnd)
+      batch, info, g, w = self._round(s, rnd)
       t_gen, t_rew = t_gen + g, t_rew + w
-      rows = [np.arange(i * G, (i + 1) * G) for i in range(P)]
-      buf.add([(batch, lens, r) for r in rows], np.asarray(batch.rewards).reshape(P, G))
+      groups = [np.arange(i * G, (i + 1) * G) for i in range(P)]
+      buf.add([(batch, info, r) for r in groups], np.asarray(batch.rewards).reshape(P, G))
       if buf.ready():
         break
     groups, rewards = buf.pop_batch(fill=True)
     batch = packing.concat([packing.take_rows(b, r) for b, _, r in groups])
-    lens = np.concatenate([l[r] for _, l, r in groups])
+    rows = tuple(np.concatenate([info[j][r] for _, info, r in groups]) for j in range(3))
     _, tied = informative_groups(rewards)
-    return batch, lens, {"gen_s": t_gen, "reward_s": t_rew, "dyn_dropped_groups": float(buf.dropped),
+    return batch, rows, {"gen_s": t_gen, "reward_s": t_rew, "dyn_dropped_groups": float(buf.dropped),
                          "dyn_rounds": float(rnd + 1), "dyn_tied_in_batch": float(tied)}
 
   # -- the loop --------------------------------------------------------------------------------------------
@@ -106,8 +111,9 @@ class RolloutProducer:
     for s in range(first, end):
       idle = self._weights_for(s)
       t0 = time.perf_counter()
-      batch, lens, stats = self.batch(s)
+      batch, (lens, truncated, sources), stats = self.batch(s)
       rw = np.asarray(batch.rewards)
+      stats.update(rollout_stats.rollout_stats(lens, truncated, rw, sources))
       stats.update(reward=float(rw.mean()), pass_rate=float((rw > 0.5).mean()), response_len=float(lens.mean()),
                    response_tokens=float(lens.sum()), sampler_idle_s=idle,
                    gen_tokens_per_s=float(lens.sum()) / max(stats["gen_s"], 1e-9),

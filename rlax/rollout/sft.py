@@ -7,7 +7,7 @@ from typing import Sequence
 from absl import logging
 import numpy as np
 
-from rlax.data import tokenizer as tok_lib
+from rlax.data.prompts import PromptRenderer, response_ids
 from rlax.data.records import Record
 from rlax.trainer.batch import SFTBatch, response_loss_mask
 
@@ -19,26 +19,26 @@ def sft_target(record: Record, style: str) -> str:
   return record.answer if style == "compact" else f"<answer>{record.answer}</answer>"
 
 
-def sft_batch(tokenizer, records: Sequence[Record], style: str, prompt_len: int, response_len: int) -> SFTBatch:
+def sft_batch(render: PromptRenderer, records: Sequence[Record], style: str, prompt_len: int, response_len: int) -> SFTBatch:
   """Prompt (left-padded to prompt_len) + target + EOS (right-padded to response_len); loss on the target."""
   B, T = len(records), prompt_len + response_len
   toks = np.zeros((B, T), np.int32)
   mask = np.zeros((B, T), bool)
   for i, r in enumerate(records):
-    p = tok_lib.encode(tokenizer, r.prompt)[-prompt_len:]
-    a = tok_lib.encode(tokenizer, sft_target(r, style), add_bos=False, add_eos=True)[:response_len]
+    p = render.encode(r)[-prompt_len:]
+    a = response_ids(render.tokenizer, sft_target(r, style))[:response_len]
     toks[i, prompt_len - len(p):prompt_len] = p
     toks[i, prompt_len:prompt_len + len(a)] = a
     mask[i, prompt_len - len(p):prompt_len + len(a)] = True
   return SFTBatch(toks, mask, response_loss_mask(mask, prompt_len))
 
 
-def sft_warm_start(trainer, state, tokenizer, records: Sequence[Record], *, steps: int, batch: int, style: str,
+def sft_warm_start(trainer, state, render: PromptRenderer, records: Sequence[Record], *, steps: int, batch: int, style: str,
                    prompt_len: int, response_len: int, log_every: int = 50):
   """`steps` supervised updates over `records` (in order, wrapping); returns the new state."""
   for s in range(steps):
     lo = (s * batch) % max(1, len(records) - batch)
-    state, m = trainer.sft_step(state, sft_batch(tokenizer, records[lo:lo + batch], style, prompt_len,
+    state, m = trainer.sft_step(state, sft_batch(render, records[lo:lo + batch], style, prompt_len,
                                                  response_len))
     if s % log_every == 0 or s == steps - 1:
       logging.info("sft step %d/%d: loss %.4f", s + 1, steps, float(m["loss"]))

@@ -32,6 +32,7 @@ import numpy as np
 from rlax import builders
 from rlax import config as config_lib
 from rlax import evaluation
+from rlax import export
 from rlax.metrics import MetricsWriter
 from rlax.multihost import Channel
 from rlax.rollout import Closed, RolloutQueue, packing
@@ -47,7 +48,8 @@ from rlax.topology import SliceLostError, build_topology
 class Controller:
   """Builds this process's parts from `config` and runs RL; see the module docstring.
 
-  tokenizer / records=(train, eval) / reward_fn replace what the config names (benchmarks, embedding).
+  tokenizer (an rlax Tokenizer) / records=(train, eval) / reward_fn replace what the config names
+  (benchmarks, embedding).
   callbacks: cb(controller, step, metrics_row) after every trainer step.
   """
 
@@ -58,17 +60,28 @@ class Controller:
     os.makedirs(run.workdir, exist_ok=True)
     self.workdir = run.workdir
     self.tokenizer = tokenizer or builders.tokenizer(run)
-    if self.tokenizer.get_vocab_size() > run.model.vocab_size:
-      raise ValueError(f"tokenizer has {self.tokenizer.get_vocab_size()} tokens but model.vocab_size is "
+    if self.tokenizer.vocab_size > run.model.vocab_size:
+      raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is "
                        f"{run.model.vocab_size}")
-    self.train_records, self.eval_records = records or builders.datasets(run)
+    self.render = builders.renderer(run, self.tokenizer)
+    train, held = records or builders.datasets(run)
+    # A prompt longer than the sampler's prompt budget cannot be generated from: drop it, and say so.
+    self.train_records, dropped = self.render.fitting(train, run.rollout.max_prompt_len)
+    self.eval_records, dropped_eval = self.render.fitting(held, run.rollout.max_prompt_len)
+    self.prompts_dropped = {"train": dropped, "eval": dropped_eval}
+    if dropped or dropped_eval:
+      logging.warning("dropped %d train and %d eval prompts longer than rollout.max_prompt_len=%d tokens",
+                      dropped, dropped_eval, run.rollout.max_prompt_len)
+    if not self.train_records or not self.eval_records:
+      raise ValueError(f"every {'training' if not self.train_records else 'eval'} prompt is longer than "
+                       f"rollout.max_prompt_len={run.rollout.max_prompt_len} tokens; raise it")
     self.reward_fn = reward_fn or builders.reward_fn(run)
     topology = build_topology(run.topology)
     self.channel = Channel() if jax.process_count() > 1 else None
     if self.channel is not None and run.faults.any:
       raise ValueError("faults.lose_slice_at / restore_slice_at simulate slice loss inside one controller "
                        "process; a multi-process job recovers by restarting (launch.multihost)")
-    self.parts = builders.components(run, topology, channel=self.channel)
+    self.parts = builders.components(run, topology, tok=self.tokenizer, channel=self.channel)
     self.faults = failover.Faults(run, topology)
     self.preemption = Preemption(run.checkpoint.grace_seconds)
     self.callbacks = list(callbacks)
@@ -82,6 +95,7 @@ class Controller:
     self.staleness_hist: collections.Counter = collections.Counter()
     self.dropped = 0
     self.final_state = None
+    self.ref_params = None
     self._data_after: dict = {}  # data position after the newest trained batch
 
   # -- the parts this process holds (read-only views) ----------------------------------------------------------
@@ -111,7 +125,7 @@ class Controller:
     if not run.init.sft_steps:
       return state
     sft = builders.sft_trainer(run, self.topo.trainer_mesh)
-    state = sft_warm_start(sft, sft.init_state(state.params), self.tokenizer, self.train_records,
+    state = sft_warm_start(sft, sft.init_state(state.params), self.render, self.train_records,
                            steps=run.init.sft_steps, batch=run.init.sft_batch, style=run.data.prompt_style,
                            prompt_len=run.rollout.max_prompt_len, response_len=run.rollout.max_new_tokens)
     return self.trainer.init_state(state.params)  # RL starts from fresh optimizer moments on these weights
@@ -130,7 +144,7 @@ class Controller:
     params, v = self.weights.latest()
     if v != self.sampler.version:
       self.sampler.update_weights(params, v)
-    gen = packing.text_generate_fn(self.sampler, self.tokenizer, builders.eval_method(run), seed=run.seed + 1, step=0)
+    gen = packing.text_generate_fn(self.sampler, self.render, builders.eval_method(run), seed=run.seed + 1, step=0)
     n = run.eval.n_samples
     res = evaluation.evaluate(gen, self.eval_records, self.reward_fn, n=n, ks=sorted({1, n}), grade_fn=self.pool.grade)
     logging.info("eval (%s): %s", tag, res)
@@ -140,7 +154,7 @@ class Controller:
 
   def _producer(self, sink) -> RolloutProducer:
     run = self.run_cfg
-    return RolloutProducer(sampler=self.sampler, weights=self.weights, data=self.data, tokenizer=self.tokenizer,
+    return RolloutProducer(sampler=self.sampler, weights=self.weights, data=self.data, render=self.render,
                            reward_fn=self.reward_fn, grade=self.pool.grade, method=builders.sampling_method(run),
                            rollout=run.rollout, max_staleness=run.controller.max_staleness,
                            deterministic=run.deterministic, dynamic_sampling=run.controller.dynamic_sampling,
@@ -152,7 +166,15 @@ class Controller:
     n = self.run_state.pending_needed(s)
     pending = queue.peek(n) if n else []
     self.run_state.save(s, state, pending=pending, data_state=pending[-1].data_state if pending else self._data_after,
-                        version=self.weights.pushed, history=self.metrics.history, eval_before=before)
+                        version=self.weights.pushed, history=self.metrics.history, eval_before=before,
+                        ref_params=self.ref_params)
+
+  def _export(self, params, out_dir: str) -> str:
+    """The policy as an HF directory (config, safetensors, tokenizer, chat template, generation config)."""
+    run = self.run_cfg
+    export.export_hf(params, run.model, out_dir, tokenizer=self.tokenizer, tokenizer_dir=run.hf_checkpoint or None)
+    logging.info("exported the policy to %s", out_dir)
+    return out_dir
 
   # -- the loop ------------------------------------------------------------------------------------------------
   def _stretch(self, s: int, state, ref_params, before: Optional[dict], pending: list):
@@ -207,6 +229,8 @@ class Controller:
         if lost is not None:
           raise lost
         self._save(s, state, queue, before, force=self.preemption.requested or s == steps)
+        if run.checkpoint.export_every and s % run.checkpoint.export_every == 0 and s < steps:
+          self._export(state.params, os.path.join(self.workdir, "exports", str(s)))
     except failover.TopologyChange as e:
       fault, kept = e, queue.peek(len(queue))
     finally:
@@ -222,26 +246,32 @@ class Controller:
     t_start = time.perf_counter()
     run = self.run_cfg
     steps = run.controller.steps
-    state = self.trainer.init_state(builders.fresh_params(run, self.topo.trainer_mesh))
+    kl = run.algorithm.kl_coef > 0
+    initial = builders.initial_params(run, self.topo.trainer_mesh)
+    state = self.trainer.init_state(initial)
     resume = self.run_state.restore(state)
     if resume is None:
       start, pending, before = 0, [], None
       state = self._warm_start(state)
       self._data_after = self.data.get_state() if self.data is not None else {}
+      ref_params = jax.tree.map(lambda x: x.copy(), state.params) if kl else None
     else:
       start, state, pending, before = resume.step, resume.state, resume.pending, resume.eval_before
+      # The reference is the policy RL started from, never the resumed one.
+      ref_params = (resume.ref_params if self.run_state.with_ref else initial) if kl else None
       self.metrics.history[:] = resume.history
       self._data_after = resume.data_state
       if self.data is not None:
         self.data.set_state(resume.data_state)
       logging.info("resumed from checkpoint step %d (%d pending rollouts)", start, len(pending))
+    del initial
+    self.ref_params = ref_params
     if self.channel is not None:
       self.channel.set_json("start", {"step": start, "first": start + len(pending),
                                       "data": resume.data_state if resume else None, "evaluate": resume is None})
     self._push(state.params, start)
     if before is None:
       before = self.evaluate("before")
-    ref_params = jax.tree.map(lambda x: x.copy(), state.params) if run.algorithm.kl_coef > 0 else None
     s = start
     while True:  # one stretch per topology: a slice fault ends it and recovery starts the next
       s, state, fault, kept = self._stretch(s, state, ref_params, before, pending)
@@ -250,6 +280,7 @@ class Controller:
       rec = failover.recover(run, self.parts, self.faults, fault, step=s, state=state, ref_params=ref_params,
                              kept=kept, data_state=self._data_after, restore=self.run_state.restore)
       self.parts, s, state, ref_params, pending = rec.parts, rec.step, rec.state, rec.ref_params, rec.pending
+      self.ref_params = ref_params
       if rec.history is not None:
         self.metrics.history[:] = rec.history
         self._data_after = rec.data_state
@@ -268,8 +299,12 @@ class Controller:
     summary = {"steps": s, "preempted": not finished,
                "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
                "params_sha256": digest.hexdigest(), "failovers": len(self.faults.events),
-               "processes": jax.process_count()}
+               "processes": jax.process_count(),
+               "model": run.hf_checkpoint or run.model_preset,
+               "task": ",".join(run.data.files("train")) or run.data.task,
+               "prompts_dropped": self.prompts_dropped}
     if finished:
+      summary["export_dir"] = self._export(state.params, os.path.join(self.workdir, "export"))
       after = self.evaluate("after")
       n = run.eval.n_samples
       summary.update({"pass1_before": before["pass@1"], "pass1_after": after["pass@1"],

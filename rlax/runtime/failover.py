@@ -148,7 +148,8 @@ def recover(run: RunConfig, parts: builders.Components, faults: Faults, err: Bas
     step, state, kept, data_state, history = (resume.step, resume.state, resume.pending, resume.data_state,
                                                resume.history)
     if ref_params is not None:
-      ref_params = jax.device_put(ref_params, new.trainer.state_shardings().params)
+      ref_params = (resume.ref_params if resume.ref_params is not None else
+                    jax.device_put(ref_params, new.trainer.state_shardings().params))
   elif kept:
     data_state = kept[-1].data_state
   for params, v in faults.versions_for(step + len(kept), step, state):

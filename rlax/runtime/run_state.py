@@ -30,6 +30,7 @@ class Resume:
   pending: list[Rollout]
   history: list[dict]
   eval_before: Optional[dict]
+  ref_params: Any = None  # the reference policy, when the checkpoint carries it
 
 
 class RunState:
@@ -44,13 +45,18 @@ class RunState:
                              processes=solo)
     # Deterministic mode regenerates nothing on resume: the rollouts generated ahead are saved.
     self.n_pending = run.controller.max_staleness if run.deterministic else 0
+    # The KL reference is the policy RL started from; after a warm start it exists nowhere else.
+    self.with_ref = run.algorithm.kl_coef > 0 and run.init.sft_steps > 0
     self._template = empty_batch(run.rollout.rows, prompt_len, run.rollout.max_new_tokens)
     self._model = to_json(run.model)
     # Orbax refuses arrays that one process of a multi-process job holds whole: save them from the host.
     self._via_host = jax.process_count() > 1
 
-  def _tree(self, state: Any, pending: list[Any]) -> dict:
-    return {"train": state, "pending": list(pending) + [self._template] * (self.n_pending - len(pending))}
+  def _tree(self, state: Any, pending: list[Any], ref: Any = None) -> dict:
+    tree = {"train": state, "pending": list(pending) + [self._template] * (self.n_pending - len(pending))}
+    if self.with_ref:
+      tree["ref"] = ref
+    return tree
 
   def pending_needed(self, step: int) -> int:
     """How many queued rollouts a checkpoint at `step` carries (none exist past the last step)."""
@@ -60,34 +66,39 @@ class RunState:
     return self.ckpt.should_save(step)
 
   def save(self, step: int, state: Any, *, pending: list[Rollout], data_state: dict, version: int,
-           history: list[dict], eval_before: Optional[dict]) -> None:
+           history: list[dict], eval_before: Optional[dict], ref_params: Any = None) -> None:
     """Starts an async save of `step` (returns at once; `wait()` blocks until it is on disk)."""
     meta = {"step": step, "version": version, "seed": self.run.seed, "data": data_state,
             "pending": [{"index": r.index, "version": r.version, "stats": r.stats, "data_state": r.data_state}
                         for r in pending],
             "history": history, "eval_before": eval_before, "config": config_lib.to_dict(self.run),
             "model": self._model}
+    if self.with_ref and ref_params is None:
+      raise ValueError("this run's checkpoints carry the KL reference policy: pass ref_params")
     if self._via_host:
-      state = jax.device_get(state)
-    self.ckpt.save(step, self._tree(state, [r.data for r in pending]), meta, force=True)
+      state, ref_params = jax.device_get((state, ref_params))
+    self.ckpt.save(step, self._tree(state, [r.data for r in pending], ref_params), meta, force=True)
 
   def restore(self, state_like: Any) -> Optional[Resume]:
     """The newest readable checkpoint restored onto `state_like`'s shardings, or None when there is none."""
     target = abstract_like(state_like)
     if self._via_host:
       target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), target)
-    got = self.ckpt.restore_latest(self._tree(target, [self._template] * self.n_pending))
+    got = self.ckpt.restore_latest(self._tree(target, [self._template] * self.n_pending, target.params))
     if got is None:
       return None
     step, tree, meta = got
     if self._via_host:
       tree["train"] = jax.device_put(tree["train"], jax.tree.map(lambda x: x.sharding, state_like))
+      if self.with_ref:
+        tree["ref"] = jax.device_put(tree["ref"], jax.tree.map(lambda x: x.sharding, state_like.params))
     if meta.get("model") != self._model:
       raise IncompatibleCheckpointError(f"checkpoint step {step} was written for model {meta.get('model')}, "
                                         f"this run's model is {self._model}")
     pending = [Rollout(r["index"], r["version"], b, r["stats"], r.get("data_state", {}))
                for r, b in zip(meta["pending"], tree["pending"])]
-    return Resume(step, tree["train"], meta["data"], pending, meta["history"], meta.get("eval_before"))
+    return Resume(step, tree["train"], meta["data"], pending, meta["history"], meta.get("eval_before"),
+                  tree.get("ref"))
 
   def wait(self) -> None:
     self.ckpt.wait()

@@ -65,10 +65,10 @@ def test_difficulty_estimation_and_band_filter_on_stub_policy():
   true_rates = np.array([0.0, 0.25, 0.5, 0.75, 1.0, 0.125])
   recs = [Record(id=str(i), prompt=str(i), answer="yes") for i in range(len(true_rates))]
 
-  def generate_fn(prompts, k):
+  def generate_fn(records, k):
     # Prompt i is solved in exactly round(rate * k) of its k samples.
-    return [["yes"] * int(round(true_rates[int(p)] * k)) + ["no"] * (k - int(round(true_rates[int(p)] * k)))
-            for p in prompts]
+    hits = [int(round(true_rates[int(r.prompt)] * k)) for r in records]
+    return [["yes"] * h + ["no"] * (k - h) for h in hits]
 
   rates = C.estimate_pass_rates(recs, generate_fn, lambda c, r: (float(c == r.answer), {}), k=8,
                                 batch_size=4)
