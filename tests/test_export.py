@@ -8,79 +8,19 @@ import sys
 import jax
 import numpy as np
 import pytest
-import tokenizers
 import torch
 import transformers
 from safetensors import safe_open
-from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from configs import demo
+from harness import hf_models
 from rlax import export
 from rlax import models as M
 from rlax.data.tokenizer import demo_tokenizer
 from rlax.models import hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOL = 1e-4  # relative to the largest logit, f32
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-# Qwen2's pre-tokenizer split.
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-              r"|\s+(?!\S)|\s+")
 TEXTS = ["the cat sat on the mat", "what is two plus two?\nfour.", "<|im_start|>user\nhi<|im_end|>"]
-CORPUS = ["the cat sat on the mat", "what is two plus two?\nfour.", "solve twelve plus thirty", "hi\n"] * 20
-
-
-def _write_json(path, obj):
-  with open(path, "w") as f:
-    json.dump(obj, f)
-
-
-def _llama_tokenizer(d):
-  """Llama style: Metaspace BPE, bos prepended by the post-processor, one eos, no pad, no generation_config."""
-  tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-  tok.pre_tokenizer = pre_tokenizers.Metaspace()
-  tok.decoder = decoders.Metaspace()
-  tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=50, special_tokens=["<unk>", "<s>", "</s>"]))
-  tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-  tok.save(str(d / "tokenizer.json"))
-  _write_json(d / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-                                            "eos_token": "</s>", "unk_token": "<unk>"})
-  return {"bos": 1, "eos": 2, "pad": 2, "gen": {}}
-
-
-def _qwen_tokenizer(d):
-  """Qwen2 style (what transformers' Qwen2Tokenizer rebuilds): byte-level BPE behind Qwen's split regex, no bos,
-  ChatML template file, eos <|im_end|>, generation_config.json with two eos ids and sampling defaults."""
-  tok = tokenizers.Tokenizer(models.BPE())
-  tok.normalizer = normalizers.NFC()
-  tok.pre_tokenizer = pre_tokenizers.Sequence([
-      pre_tokenizers.Split(tokenizers.Regex(QWEN_SPLIT), behavior="isolated"),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-  tok.decoder = decoders.ByteLevel()
-  special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-  tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=60, special_tokens=special))
-  tok.save(str(d / "tokenizer.json"))
-  _write_json(d / "tokenizer_config.json", {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>",
-                                            "pad_token": "<|endoftext|>", "bos_token": None})
-  (d / "chat_template.jinja").write_text(CHATML)
-  gen = {"bos_token_id": 0, "eos_token_id": [2, 0], "temperature": 0.7, "top_p": 0.8}
-  _write_json(d / "generation_config.json", gen)
-  return {"bos": 0, "eos": [2, 0], "pad": 0, "gen": gen}
-
-
-def _hf_model(arch: str, tie: bool, seed: int = 0):
-  """A random HF causal LM with odd sizes and O(1) logits (weights ~N(0, 0.15²), norms 1±0.2)."""
-  kw = dict(vocab_size=67, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=3,
-            num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=tie, attn_implementation="eager")
-  config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
-  torch.manual_seed(seed)
-  model = model_cls(config_cls(**kw)).to(torch.float32).eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-  return model
 
 
 def _params(cfg, seed=0):
@@ -94,31 +34,16 @@ def _params(cfg, seed=0):
   return jax.tree.map_with_path(one, M.param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))
 
 
-def _logits(model, tokens) -> np.ndarray:
-  with torch.no_grad():
-    return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
-
-
-def _assert_close(ours, ref):
-  ours, ref = np.asarray(ours), np.asarray(ref)
-  assert ours.shape == ref.shape
-  assert np.abs(ours - ref).max() <= TOL * np.abs(ref).max(), np.abs(ours - ref).max()
-
-
 def _tokens(vocab, seed=0):
   return np.random.default_rng(seed).integers(0, vocab, size=(2, 13)).astype(np.int32)
-
-
-def _reload(out):
-  return transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").float().eval()
 
 
 @pytest.mark.parametrize("arch,tie", [("llama", True), ("llama", False), ("qwen2", True), ("qwen2", False)])
 def test_hf_model_exports_with_its_tokenizer(arch, tie, tmp_path):
   src, out = tmp_path / "src", tmp_path / "out"
-  model = _hf_model(arch, tie)
+  model = hf_models.hf_model(arch, tie)
   model.save_pretrained(src)
-  want = (_llama_tokenizer if arch == "llama" else _qwen_tokenizer)(src)
+  want = (hf_models.llama_tokenizer if arch == "llama" else hf_models.qwen_tokenizer)(src)
   cfg, params = hf.load_checkpoint(str(src))
   assert (cfg.arch, cfg.tie_embeddings, cfg.vocab_size, cfg.n_heads, cfg.n_kv_heads) == (arch, tie, 67, 3, 1)
 
@@ -129,10 +54,10 @@ def test_hf_model_exports_with_its_tokenizer(arch, tie, tmp_path):
 
   tokens = _tokens(67)
   ref, _ = M.forward(params, cfg, tokens)
-  reloaded = _reload(out)
+  reloaded = hf_models.reload(out)
   assert type(reloaded) is type(model)
-  _assert_close(ref, _logits(reloaded, tokens))
-  _assert_close(ref, _logits(model, tokens))  # and the source model agrees: nothing was lost on the way
+  hf_models.assert_close(ref, hf_models.logits(reloaded, tokens))
+  hf_models.assert_close(ref, hf_models.logits(model, tokens))  # and the source model agrees: nothing was lost on the way
   assert np.abs(np.asarray(ref)).max() > 1.0  # O(1) logits: the tolerance means something
 
   ours, theirs = hf.load_tokenizer(str(src)), transformers.AutoTokenizer.from_pretrained(str(out))
@@ -170,7 +95,7 @@ def test_demo_tokenizer_export(tmp_path):
   with open(tmp_path / "out" / "generation_config.json") as f:
     assert json.load(f) == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
   tokens = _tokens(128)
-  _assert_close(M.forward(params, cfg, tokens)[0], _logits(_reload(tmp_path / "out"), tokens))
+  hf_models.assert_close(M.forward(params, cfg, tokens)[0], hf_models.logits(hf_models.reload(tmp_path / "out"), tokens))
 
 
 def test_dtype_and_replacing_an_earlier_export(tmp_path, monkeypatch):
@@ -184,7 +109,7 @@ def test_dtype_and_replacing_an_earlier_export(tmp_path, monkeypatch):
   assert "leftover.txt" not in files and not (out / "leftover.txt").exists()
   with safe_open(str(out / "model.safetensors"), framework="numpy") as f:
     assert "lm_head.weight" not in f.keys()
-  assert _reload(out).config.tie_word_embeddings
+  assert hf_models.reload(out).config.tie_word_embeddings
   assert transformers.AutoModelForCausalLM.from_pretrained(str(out)).dtype == torch.bfloat16
 
   def crash(*a, **k):
@@ -240,7 +165,7 @@ def test_export_checkpoint_matches_the_trained_params(run, tmp_path):
   assert (cfg.vocab_size, cfg.d_model, cfg.n_layers) == (128, 32, 1)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), params, final)
   tokens = _tokens(128, seed=2)
-  _assert_close(M.forward(final, cfg, tokens)[0], _logits(_reload(tmp_path / "hf"), tokens))
+  hf_models.assert_close(M.forward(final, cfg, tokens)[0], hf_models.logits(hf_models.reload(tmp_path / "hf"), tokens))
   theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
   assert theirs.encode("3 1 2") == demo_tokenizer().encode("3 1 2")
 
