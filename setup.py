@@ -33,7 +33,8 @@ setup(
         "psutil>=6,<8",
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "pytest-xdist>=3.6,<4", "torch==2.13.0", "transformers>=5,<6"],
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.6,<4", "torch==2.13.0", "transformers>=5,<6", "pyarrow>=15,<27"],
+        "parquet": ["pyarrow>=15,<27"],
         "tpu": ["jax[tpu]>=0.10.2,<0.12"],
         "pathways": ["pathwaysutils"],
         "xmanager": ["xmanager"],

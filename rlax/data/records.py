@@ -130,7 +130,10 @@ def read_parquet(path: str) -> list[Record]:
   except ImportError as e:
     raise ValueError(f"reading {path} needs pyarrow, which is not installed (pip install pyarrow), "
                      "or convert it to JSONL") from e
-  rows = pq.read_table(path).to_pylist()
+  try:
+    rows = pq.read_table(path).to_pylist()
+  except Exception as e:  # pyarrow raises OSError or its own ArrowInvalid
+    raise ValueError(f"{path}: cannot read as Parquet: {e}") from None
   return [_row(row, f"{path}:row {i}") for i, row in enumerate(rows)]
 
 
