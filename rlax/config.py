@@ -376,6 +376,9 @@ def validate(run: RunConfig) -> None:
        f"reward.answer={run.reward.answer!r}: use 'auto', 'boxed', 'last_number' or 'answer_tag'"),
       (run.reward.format_weight >= 0, f"reward.format_weight={run.reward.format_weight} must be >= 0"),
       (ck.export_every >= 0, f"checkpoint.export_every={ck.export_every} must be >= 0 (0: final export only)"),
+      (run.model.param_dtype != "float16",
+       "model.overrides.param_dtype='float16': Adam's moments underflow in float16 and the first update turns the "
+       "weights to inf/NaN; keep master weights in float32 or bfloat16 (dtype='float16' compute is fine)"),
   ]
   for ok, msg in checks:
     if not ok:

@@ -33,6 +33,7 @@ from rlax import builders
 from rlax import config as config_lib
 from rlax import evaluation
 from rlax import export
+from rlax import memory
 from rlax.metrics import MetricsWriter
 from rlax.multihost import Channel
 from rlax.rollout import Closed, RolloutQueue, packing
@@ -81,6 +82,9 @@ class Controller:
     if self.channel is not None and run.faults.any:
       raise ValueError("faults.lose_slice_at / restore_slice_at simulate slice loss inside one controller "
                        "process; a multi-process job recovers by restarting (launch.multihost)")
+    # Before anything compiles: a config that cannot fit fails here, naming the knob to change.
+    est = memory.check_topology(run, topology)
+    logging.info("memory estimate per device:\n%s", est.summary())
     self.parts = builders.components(run, topology, tok=self.tokenizer, channel=self.channel)
     self.faults = failover.Faults(run, topology)
     self.preemption = Preemption(run.checkpoint.grace_seconds)
@@ -291,7 +295,7 @@ class Controller:
       self.weights.push(state.params, s)  # evaluate the final weights even when push_every skipped them
     self.weights.end()
     if self.channel is not None:
-      self.channel.set_json("end", {"evaluate": finished})
+      self.channel.set_json("end", {"evaluate": finished and steps > 0})
     self.final_state = state
     digest = hashlib.sha256()
     for leaf in jax.tree.leaves(jax.device_get(state.params)):
@@ -304,8 +308,9 @@ class Controller:
                "task": ",".join(run.data.files("train")) or run.data.task,
                "prompts_dropped": self.prompts_dropped}
     if finished:
-      summary["export_dir"] = self._export(state.params, os.path.join(self.workdir, "export"))
-      after = self.evaluate("after")
+      if steps > 0:
+        summary["export_dir"] = self._export(state.params, os.path.join(self.workdir, "export"))
+      after = self.evaluate("after") if steps > 0 else before  # steps=0: evaluate the starting policy only
       n = run.eval.n_samples
       summary.update({"pass1_before": before["pass@1"], "pass1_after": after["pass@1"],
                       f"pass{n}_before": before[f"pass@{n}"], f"pass{n}_after": after[f"pass@{n}"]})

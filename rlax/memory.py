@@ -1,0 +1,346 @@
+"""Per-device memory of a run's trainer and sampler, before anything is built, and a check that refuses
+configs that cannot fit.
+
+    est = memory.estimate(run, trainer_devices=4, sampler_devices=4)
+    print(est.summary())
+    memory.check(est, trainer_budget_bytes=16 * GIB, sampler_budget_bytes=16 * GIB)   # ValueError, one line
+    memory.check_topology(run, topology)   # the same on a built topology's devices
+
+Closed form and compile-free (milliseconds), so it runs before a multi-minute compile or an OOM. The
+layouts are the runtime's own: the train state's shapes, dtypes and shardings come from
+`builders.trainer(run, mesh).abstract_state()` on an `AbstractMesh` of the configured shape (the path
+`rlax.planning` lowers), the sampler's from `models.param_shardings` and `models.cache_bytes`. What no
+layout says (activations, logits, scratch) is modelled per token and per layer, with coefficients fitted
+to XLA:CPU's compiled programs (`memory_analysis()` of `Trainer.lower_step`, `Sampler.lower_prefill` /
+`lower_decode`; tests/test_memory.py holds the estimate to a stated factor of them). `rlax.planning`
+gives the exact per-program figures for a target TPU topology, at the price of compiling.
+
+Three XLA:CPU facts the estimate encodes (platform "cpu"), each seen in the compiled programs: bf16/f16
+compute is upcast, so activations and weight copies cost f32 bytes; `remat` saves memory only with
+`scan_layers` (over unrolled layers the scheduler hoists the recomputation and keeps every layer's
+activations); and unrolled micro-batches (up to `MAX_UNROLLED_MICRO_BATCHES`) are all live at once, only
+a scan over more holds one. Other platforms are assumed to honour remat and micro-batches and to keep
+activations in the compute dtype; that is not measured here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh
+
+from rlax import builders
+from rlax import models
+from rlax.config import RunConfig
+from rlax.models import sharding as shd
+from rlax.trainer.state import MAX_UNROLLED_MICRO_BATCHES
+
+GIB = 2 ** 30
+
+# Bytes per token of one layer's activations, in units of the activation itemsize (per element of d_model,
+# of the attention projections and of the MLP) and in f32 per attention score. Fitted to XLA:CPU's
+# compiled train step (saved for the backward pass) and prefill (inference, nothing saved).
+_TRAIN_PER_ELEM = dict(embed=4.8, mlp=6.0, score=2.0)
+_INFER_PER_ELEM = dict(embed=2.0, mlp=2.0, score=2.0)
+# f32 [rows, chunk, vocab] buffers live at once in the chunked log-prob backward (one more when the
+# head is the tied embedding); [rows, vocab] f32 buffers of one sampling step (logits, probabilities,
+# padded cumulative sums).
+_LOGIT_COPIES = 2
+_TIED_LOGIT_COPIES = 3
+_SAMPLING_COPIES = 4
+
+TRAINER_ITEMS = ("params", "opt_state", "grads", "ref_params", "batch", "activations", "logits")
+SAMPLER_ITEMS = ("weights", "spare_weights", "kv_cache", "scratch")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+  """Per-device bytes by item (`TRAINER_ITEMS`, `SAMPLER_ITEMS`); `notes[item]` says what it holds."""
+  trainer: Mapping[str, int]
+  sampler: Mapping[str, int]
+  trainer_devices: int
+  sampler_devices: int
+  colocated: bool
+  notes: Mapping[str, str]
+  trainer_mesh: Mapping[str, int]
+  sampler_mesh: Mapping[str, int]
+
+  @property
+  def trainer_bytes(self) -> int:
+    """Per trainer device, at the step's peak."""
+    return sum(self.trainer.values())
+
+  @property
+  def sampler_bytes(self) -> int:
+    """Per sampler device, at the larger of the prefill / decode peaks, with the weight versions held."""
+    return sum(self.sampler.values())
+
+  @property
+  def total_bytes(self) -> int:
+    """Summed over every device (what one host's RAM must hold when all devices are fake CPU devices)."""
+    if self.colocated:
+      return (self.trainer_bytes + self.sampler_bytes) * self.trainer_devices
+    return self.trainer_bytes * self.trainer_devices + self.sampler_bytes * self.sampler_devices
+
+  def summary(self) -> str:
+    """One line per item, GiB per device."""
+    mesh = lambda m: "x".join(f"{k}{v}" for k, v in m.items() if v > 1) or "1"
+    lines = []
+    for role, items, n, m in (("trainer", self.trainer, self.trainer_devices, self.trainer_mesh),
+                              ("sampler", self.sampler, self.sampler_devices, self.sampler_mesh)):
+      lines.append(f"{role}: {n} device(s), mesh {mesh(m)}; GiB per device")
+      for k, v in items.items():
+        lines.append(f"  {k:<14s}{v / GIB:9.3f}  {self.notes.get(f'{role}.{k}', '')}")
+      lines.append(f"  {'total':<14s}{sum(items.values()) / GIB:9.3f}")
+    where = "colocated: both roles on the same devices" if self.colocated else "disjoint devices"
+    lines.append(f"all devices ({where}): {self.total_bytes / GIB:.3f} GiB")
+    return "\n".join(lines)
+
+
+# -- layouts ---------------------------------------------------------------------------------------------
+def abstract_mesh(axes: Mapping[str, int], devices: int, role: str) -> AbstractMesh:
+  """The ('data', 'fsdp', 'tensor') mesh `topology.<role>_mesh` gives on `devices` devices (no devices needed)."""
+  sizes = {"data": 1, "fsdp": 1, "tensor": 1, **dict(axes)}
+  free = [k for k, v in sizes.items() if v == -1]
+  known = math.prod(v for v in sizes.values() if v != -1)
+  if devices < 1 or len(free) > 1 or devices % known or (not free and known != devices):
+    raise ValueError(f"topology.{role}_mesh={dict(axes)} does not fit {devices} {role} device(s)")
+  if free:
+    sizes[free[0]] = devices // known
+  return AbstractMesh(tuple(sizes[a] for a in shd.MESH_AXES), shd.MESH_AXES)
+
+
+def _tree_bytes(tree: Any) -> int:
+  """Per-device bytes of a tree of ShapeDtypeStructs carrying their shardings."""
+  return sum(int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def _param_bytes(cfg: models.ModelConfig, mesh: AbstractMesh, itemsize: int, subtree: Optional[str] = None) -> int:
+  """Per-device bytes of the parameters (or of one subtree, e.g. 'layers') on `mesh`, `itemsize` bytes each."""
+  shapes, shardings = models.init.abstract_params(cfg), models.param_shardings(cfg, mesh)
+  if subtree:
+    shapes, shardings = shapes[subtree], shardings[subtree]
+  return sum(int(np.prod(sh.shard_shape(s.shape), dtype=np.int64)) * itemsize
+             for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)))
+
+
+def _split(n: int, ways: int) -> int:
+  """n per device when a mesh axis of size `ways` shards it (the rules skip axes that do not divide)."""
+  return n // ways if n % ways == 0 else n
+
+
+def _act_itemsize(cfg: models.ModelConfig, platform: str) -> int:
+  return 4 if platform == "cpu" else cfg.jnp_dtype.itemsize  # XLA:CPU computes bf16/f16 in f32
+
+
+def _layer_acts(cfg: models.ModelConfig, tokens: int, keys: int, tensor: int, isz: int,
+                coef: Mapping[str, float]) -> float:
+  """One layer's activation bytes for `tokens` queries attending over `keys` positions."""
+  h, k, f = _split(cfg.n_heads, tensor), _split(cfg.n_kv_heads, tensor), _split(cfg.mlp_dim, tensor)
+  per_token = (isz * (coef["embed"] * (cfg.d_model + (h + k) * cfg.head_dim) + coef["mlp"] * f)
+               + 4 * coef["score"] * h * keys)
+  return tokens * per_token
+
+
+# -- the estimate ----------------------------------------------------------------------------------------
+def sampler_batch_size(run: RunConfig) -> int:
+  """Rows the sampler's KV cache holds: a rollout, or an eval call of 16 prompts x eval.n_samples
+  (as `builders.sampler` sizes it)."""
+  return max(run.rollout.rows, run.eval.n_samples * 16)
+
+
+def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dict) -> dict[str, int]:
+  cfg, r = run.model, run.rollout
+  trainer = builders.trainer(run, mesh)  # the runtime's own layouts
+  state = trainer.abstract_state()
+  seq = r.max_prompt_len + r.max_new_tokens
+  kl = run.algorithm.kl_coef > 0
+  batch = trainer.abstract_batch(r.rows, seq, with_ref=kl, prompt_len=r.max_prompt_len)
+  n_micro = trainer.num_micro_batches(r.rows, seq)
+  rows = r.rows // shd.row_shards(mesh, r.rows) // n_micro  # per device, per micro-batch
+  # XLA:CPU runs unrolled micro-batches side by side: all of them are live at once; a scan runs one.
+  live = n_micro if platform == "cpu" and n_micro <= MAX_UNROLLED_MICRO_BATCHES else 1
+  tensor = dict(mesh.shape)["tensor"]
+  isz = _act_itemsize(cfg, platform)
+  params = _tree_bytes(state.params)
+  # Gradients in the parameter dtype and layout: the step's result and the clipped update live together;
+  # accumulating over micro-batches adds the running sum.
+  grads = params * (2 if n_micro == 1 else 3)
+  one_layer = _layer_acts(cfg, rows * seq, seq, tensor, isz, _TRAIN_PER_ELEM)
+  remat = cfg.remat and (cfg.scan_layers or platform != "cpu")
+  if remat:  # each layer's input is kept; one layer at a time is recomputed for its backward pass
+    acts = cfg.n_layers * rows * seq * cfg.d_model * isz + one_layer
+  else:
+    acts = cfg.n_layers * one_layer
+  positions = min(trainer.chunk, r.max_new_tokens)  # scored positions per log-prob chunk
+  copies = _TIED_LOGIT_COPIES if cfg.tie_embeddings else _LOGIT_COPIES
+  logits = copies * rows * positions * _split(cfg.vocab_size, tensor) * 4
+  notes.update({
+      "trainer.params": f"{cfg.param_dtype}, sharded on the trainer mesh",
+      "trainer.opt_state": "AdamW moments (dtype and layout of the params)",
+      "trainer.grads": f"{cfg.param_dtype}" + (f", + running sum over {n_micro} micro-batches" if n_micro > 1 else ""),
+      "trainer.ref_params": "reference policy (algorithm.kl_coef > 0)" if kl else "none (algorithm.kl_coef = 0)",
+      "trainer.batch": f"{r.rows} rows x {seq} tokens",
+      "trainer.activations": (f"{live} live of {n_micro} micro-batch(es) of {rows} rows x {seq} tokens per device, "
+                              + ("remat" if remat else "no remat" + (" (remat needs scan_layers on CPU)"
+                                                                    if cfg.remat else ""))),
+      "trainer.logits": f"f32 [{rows} rows, {positions} positions, {cfg.vocab_size} vocab] x {copies * live}",
+  })
+  return dict(params=params, opt_state=_tree_bytes(state.opt_state), grads=grads, ref_params=params if kl else 0,
+              batch=_tree_bytes(batch), activations=int(live * acts), logits=int(live * logits))
+
+
+def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dict) -> dict[str, int]:
+  cfg, r = run.model, run.rollout
+  dt = cfg.jnp_dtype
+  B = sampler_batch_size(run)
+  S = r.max_prompt_len + r.max_new_tokens
+  b = B // shd.row_shards(mesh, B)  # rows per device
+  tensor = dict(mesh.shape)["tensor"]
+  weights = _param_bytes(cfg, mesh, dt.itemsize)
+  # Deterministic runs keep the k + 1 newest versions; a push in flight adds one next to the one in use.
+  keep = run.controller.max_staleness + 1 if run.deterministic else 1
+  kv_div = tensor if cfg.n_kv_heads % tensor == 0 else 1
+  cache = lambda rows, slots: models.cache_bytes(cfg, rows, slots) // kv_div
+  kv = cache(b, S)  # the engine's accounting: every row's cache as long as the whole sequence
+  isz = _act_itemsize(cfg, platform)
+  layer_w = _param_bytes(cfg, mesh, max(isz, dt.itemsize), "layers")  # per-layer slices (f32 on CPU)
+  vocab = _split(cfg.vocab_size, tensor)
+  sampling = _SAMPLING_COPIES * b * vocab * 4
+  groups = min(r.samples_per_prompt, run.eval.n_samples)
+  prompts = max(1, b // groups)  # distinct prompts one prefill runs
+  prefill = (layer_w + 2 * cache(prompts, r.max_prompt_len) + sampling
+             + _layer_acts(cfg, prompts * r.max_prompt_len, r.max_prompt_len, tensor, isz, _INFER_PER_ELEM))
+  # A weight swap between decode chunks recomputes the whole cache (sampler.loop.refill).
+  refill = (layer_w + 2 * kv + _layer_acts(cfg, b * S, S, tensor, isz, _INFER_PER_ELEM)) if r.decode_chunk else 0
+  tied_head = cfg.d_model * vocab * max(isz, dt.itemsize) if cfg.tie_embeddings else 0  # embed.T copy
+  decode = layer_w + tied_head + sampling  # the fused per-layer weights live through the decode loop
+  scratch = max(prefill, refill, decode)
+  which = "decode" if scratch == decode else "refill" if scratch == refill else "prefill"
+  notes.update({
+      "sampler.weights": f"{cfg.dtype} (the compute dtype)",
+      "sampler.spare_weights": f"{keep} more version(s): the newest kept / arriving while the sampler uses one",
+      "sampler.kv_cache": f"{b} rows x {S} slots per device ({B} rows: max(rollout rows, eval.n_samples x 16))",
+      "sampler.scratch": f"largest program scratch: {which} (weight copies, sampling buffers, activations)",
+  })
+  return dict(weights=weights, spare_weights=keep * weights, kv_cache=kv, scratch=int(scratch))
+
+
+def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,
+             platform: Optional[str] = None) -> MemoryEstimate:
+  """Per-device bytes of `run`'s trainer step on `trainer_devices` devices and of its sampler on
+  `sampler_devices` (the topology's mesh shapes); `platform` defaults to the default backend's."""
+  platform = platform or jax.default_backend()
+  topo = run.topology
+  if topo.colocated and trainer_devices != sampler_devices:
+    raise ValueError(f"topology.colocated=True: trainer_devices={trainer_devices} and sampler_devices="
+                     f"{sampler_devices} must be equal (both roles use the same devices)")
+  tmesh = abstract_mesh(topo.trainer_mesh, trainer_devices, "trainer")
+  smesh = abstract_mesh(topo.sampler_mesh, sampler_devices, "sampler")
+  notes: dict[str, str] = {}
+  trainer = _trainer_items(run, tmesh, platform, notes)
+  sampler = _sampler_items(run, smesh, platform, notes)
+  return MemoryEstimate(trainer, sampler, trainer_devices, sampler_devices, topo.colocated, notes,
+                        dict(tmesh.shape), dict(smesh.shape))
+
+
+# -- budgets and the check -------------------------------------------------------------------------------
+def device_budget_bytes(device) -> int:
+  """Bytes one device may use: the accelerator's `memory_stats()["bytes_limit"]`; for a CPU device, its
+  even share of the host's RAM (every fake CPU device lives in the same RAM, so `check` with
+  shared_host=True compares the sum over devices against the sum of these shares)."""
+  try:
+    stats = device.memory_stats()
+  except Exception:  # CPU devices and some backends do not implement it
+    stats = None
+  if stats and "bytes_limit" in stats:
+    return int(stats["bytes_limit"])
+  if device.platform == "cpu":
+    import psutil  # pylint: disable=g-import-not-at-top
+    return psutil.virtual_memory().total // max(1, len(jax.local_devices(backend="cpu")))
+  raise ValueError(f"device {device} reports no memory_stats()['bytes_limit']; pass the budget explicitly")
+
+
+def _trainer_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
+  t = est.trainer
+  state = t["params"] + t["opt_state"] + t["grads"] + t["ref_params"]
+  if state >= t["activations"] + t["logits"]:
+    knob = "spread the trainer over more devices (topology.trainer_slices, topology.trainer_mesh.fsdp)"
+    if t["ref_params"]:
+      knob += " or set algorithm.kl_coef=0 (drops the reference copy)"
+    return knob
+  if run is None:
+    return "set model.overrides.remat=True and scan_layers=True or lower optimizer.micro_batch_tokens"
+  cfg, o = run.model, run.optimizer
+  knobs = []
+  if t["activations"] >= t["logits"] and not (cfg.remat and cfg.scan_layers):
+    knobs.append("set " + " and ".join(f"model.overrides.{k}=True" for k in ("remat", "scan_layers")
+                                       if not getattr(cfg, k)))
+  knobs.append("lower optimizer.micro_batch_tokens" if o.micro_batch_tokens else
+               "set optimizer.micro_batch_tokens (0 now: the whole batch is one micro-batch)")
+  knobs.append("shorten rollout.max_new_tokens")
+  return " or ".join(knobs)
+
+
+def _sampler_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
+  s = est.sampler
+  if s["weights"] + s["spare_weights"] >= s["kv_cache"] + s["scratch"]:
+    return "shard the sampler's weights (topology.sampler_mesh.tensor > 1) or give it more devices"
+  rows = "" if run is None else f" ({run.rollout.rows} rollout rows; eval.n_samples x 16 = {run.eval.n_samples * 16})"
+  return f"lower rollout.max_new_tokens or the sampler batch{rows}"
+
+
+def check(est: MemoryEstimate, trainer_budget_bytes: int, sampler_budget_bytes: int, *,
+          shared_host: bool = False, run: Optional[RunConfig] = None) -> None:
+  """Raises ValueError (one line naming the knob to turn) when the estimate exceeds the budgets.
+
+  Budgets are per device. Colocated roles add up on each device. shared_host=True (fake CPU devices,
+  one RAM): the sum over all devices is held against the sum of the budgets, so one role may use more
+  than its even share. `run` (the estimate's config) makes the suggested knob specific.
+  """
+  gib = lambda x: f"{x / GIB:.1f} GiB"
+  knob = lambda: (_trainer_knob(est, run) if est.trainer_bytes * est.trainer_devices
+                  >= est.sampler_bytes * est.sampler_devices else _sampler_knob(est, run))
+  if shared_host:
+    budget = (trainer_budget_bytes * est.trainer_devices if est.colocated else
+              trainer_budget_bytes * est.trainer_devices + sampler_budget_bytes * est.sampler_devices)
+    if est.total_bytes > budget:
+      raise ValueError(f"trainer + sampler need ~{gib(est.total_bytes)} of host memory ({est.trainer_devices} x "
+                       f"{gib(est.trainer_bytes)} trainer + {est.sampler_devices} x {gib(est.sampler_bytes)} "
+                       f"sampler) > {gib(budget)} available: {knob()}")
+    return
+  if est.colocated:
+    need = est.trainer_bytes + est.sampler_bytes
+    if need > trainer_budget_bytes:
+      raise ValueError(f"trainer + sampler (colocated) need ~{gib(need)} per device > {gib(trainer_budget_bytes)} "
+                       f"available: {knob()}")
+    return
+  if est.trainer_bytes > trainer_budget_bytes:
+    raise ValueError(f"trainer needs ~{gib(est.trainer_bytes)} per device > {gib(trainer_budget_bytes)} available: "
+                     f"{_trainer_knob(est, run)}")
+  if est.sampler_bytes > sampler_budget_bytes:
+    raise ValueError(f"sampler needs ~{gib(est.sampler_bytes)} per device > {gib(sampler_budget_bytes)} available: "
+                     f"{_sampler_knob(est, run)}")
+
+
+def check_topology(run: RunConfig, topology) -> MemoryEstimate:
+  """`estimate` on a built topology's meshes, checked against its devices' budgets; returns the estimate."""
+  tdevs = list(topology.trainer_mesh.devices.flat)
+  sdevs = list(topology.sampler_mesh.devices.flat)
+  platform = tdevs[0].platform
+  est = estimate(run, len(tdevs), len(sdevs), platform=platform)
+  if platform == "cpu":
+    # Fake CPU devices share one RAM and idle ones hold nothing: the used devices split all of it.
+    import psutil  # pylint: disable=g-import-not-at-top
+    used = len(set(tdevs) | set(sdevs))
+    share = psutil.virtual_memory().total // used
+    check(est, share, share, shared_host=True, run=run)
+  else:
+    check(est, device_budget_bytes(tdevs[0]), device_budget_bytes(sdevs[0]), run=run)
+  return est

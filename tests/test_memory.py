@@ -1,0 +1,239 @@
+"""rlax.memory: exact parts against hand counts and the runtime's own accounting, the modelled parts against
+XLA's compiled programs (`memory_analysis()`) within a stated factor, and the check's one-line refusals."""
+
+import re
+import types
+
+import jax
+import psutil
+import pytest
+
+from rlax import builders
+from rlax import config as config_lib
+from rlax import memory
+from rlax import models
+from rlax.sampler import Sampler, Temperature
+from rlax.topology import build_topology
+
+GIB = memory.GIB
+BASE = dict(vocab_size=2048, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=512)
+# The estimate against the compiled programs' peaks: never more than 20% under, at most 60% over.
+LOW, HIGH = 0.8, 1.6
+
+
+def _run(model=None, rollout=None, optimizer=None, topology=None, algorithm=None, eval_samples=1, **top):
+  return config_lib.load(dict(
+      workdir="unused", model=dict(preset="w1", overrides={**BASE, **(model or {})}),
+      rollout={**dict(prompts_per_step=4, samples_per_prompt=4, max_prompt_len=32, max_new_tokens=96),
+               **(rollout or {})},
+      optimizer=optimizer or {}, algorithm={**dict(name="grpo", kl_coef=0.0), **(algorithm or {})},
+      eval=dict(n_samples=eval_samples),
+      topology={**dict(slice_size=None, trainer_slices=1, colocated=False), **(topology or {})}, **top))
+
+
+def _peak(compiled) -> int:
+  m = compiled.memory_analysis()
+  return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+def _mesh(run, role, devices):
+  shape = memory.abstract_mesh(getattr(run.topology, f"{role}_mesh"), len(devices), role).shape
+  return models.make_mesh(devices, **dict(shape))
+
+
+def _sampler(run, mesh):
+  """The engine on `mesh` with the estimate's batch and one prompt bucket (as rlax.planning builds it)."""
+  r = run.rollout
+  return Sampler(run.model, mesh, max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
+                 batch_buckets=(memory.sampler_batch_size(run),), prompt_buckets=(r.max_prompt_len,), eos_id=0,
+                 decode_chunk=r.decode_chunk or None, memory_budget_bytes=1 << 62)
+
+
+def test_exact_parts_match_hand_counts_and_the_engine():
+  run = _run(model=dict(dtype="bfloat16"), algorithm=dict(kl_coef=0.04), eval_samples=4)
+  cfg, n = run.model, run.model.num_params()
+  est = memory.estimate(run, 1, 1)
+  t, s = est.trainer, est.sampler
+  assert t["params"] == 4 * n and t["ref_params"] == 4 * n  # f32 master weights, and the reference copy
+  assert 2 * t["params"] <= t["opt_state"] <= 2 * t["params"] + 64  # Adam's two moments + step counters
+  assert s["weights"] == 2 * n and s["spare_weights"] == 2 * n  # bf16; one version arriving next to the one in use
+  B, S = 64, 32 + 96  # max(16 rollout rows, 4 eval samples x 16)
+  assert s["kv_cache"] == 2 * cfg.n_layers * B * S * cfg.n_kv_heads * cfg.head_dim * 2
+  # Sharded: the engine's own accounting on a real 4-device sampler mesh (data 2 x tensor 2).
+  run = _run(model=dict(dtype="bfloat16"), eval_samples=4, topology=dict(sampler_mesh=dict(data=-1, fsdp=1, tensor=2)))
+  est = memory.estimate(run, 4, 4)
+  engine = _sampler(run, _mesh(run, "sampler", jax.devices()[4:])).memory
+  assert est.sampler["kv_cache"] == engine["cache"] and est.sampler["weights"] == engine["params"]
+  # The trainer's layout: FSDP over 4 devices splits every weight with a dimension divisible by 4.
+  norms = 2 * cfg.n_layers * cfg.d_model + cfg.d_model  # replicated; everything else splits 4 ways
+  assert est.trainer["params"] == 4 * (n - norms) // 4 + 4 * norms
+  assert est.trainer_mesh == {"data": 1, "fsdp": 4, "tensor": 1}
+
+
+CASES = {
+    # f32, no remat, reference policy (held outside the step), eval rows dominate the sampler.
+    "f32": (dict(model={}, algorithm=dict(kl_coef=0.04), eval_samples=4), 1, 1),
+    # remat over unrolled layers: XLA:CPU keeps every layer's activations anyway (estimated as no remat).
+    "remat_unrolled": (dict(model=dict(remat=True)), 1, 1),
+    # bf16 compute, scanned remat layers, tied 8k vocab, longer rows, 8 scanned micro-batches.
+    "bf16_scan_remat_tied": (dict(model=dict(dtype="bfloat16", remat=True, scan_layers=True, vocab_size=8192,
+                                             tie_embeddings=True),
+                                  rollout=dict(prompts_per_step=2, max_prompt_len=64, max_new_tokens=192),
+                                  optimizer=dict(micro_batch_tokens=256)), 1, 1),
+    # 4 + 4 devices: trainer fsdp 2 x tensor 2 with 2 unrolled micro-batches, sampler data 2 x tensor 2,
+    # decode in chunks (a weight swap recomputes the cache: the refill program).
+    "sharded_chunked": (dict(topology=dict(slice_size=4, trainer_slices=1, sampler_slices=1,
+                                           trainer_mesh=dict(data=1, fsdp=-1, tensor=2),
+                                           sampler_mesh=dict(data=-1, fsdp=1, tensor=2)),
+                             optimizer=dict(micro_batch_tokens=1024), rollout=dict(decode_chunk=16)), 4, 4),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_estimate_within_factor_of_compiled_programs(case):
+  kw, n_t, n_s = CASES[case]
+  run = _run(**kw)
+  est = memory.estimate(run, n_t, n_s)
+  r = run.rollout
+  devs = jax.devices()
+  trainer = builders.trainer(run, _mesh(run, "trainer", devs[:n_t]))
+  seq = r.max_prompt_len + r.max_new_tokens
+  step = trainer.lower_step(trainer.abstract_state(), trainer.abstract_batch(
+      r.rows, seq, with_ref=run.algorithm.kl_coef > 0, prompt_len=r.max_prompt_len)).compile()
+  ratio = (est.trainer_bytes - est.trainer["ref_params"]) / _peak(step)
+  assert LOW <= ratio <= HIGH, (case, "trainer", ratio, est.summary())
+
+  sampler = _sampler(run, _mesh(run, "sampler", devs[8 - n_s:]))
+  G = min(r.samples_per_prompt, run.eval.n_samples)  # the estimate's largest prefill: most distinct prompts
+  prefill = sampler.lower_prefill(sampler.batch_size // G, r.max_prompt_len, G, Temperature(1.0)).compile()
+  peaks = [_peak(prefill), _peak(sampler.lower_decode(prefill, Temperature(1.0)).compile())]
+  if r.decode_chunk:
+    state = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh), prefill.out_info,
+                         prefill.output_shardings)
+    with sampler._ctx():
+      peaks.append(_peak(sampler._refill.lower(sampler.abstract_params(), state).compile()))
+  ratio = (est.sampler_bytes - est.sampler["spare_weights"]) / max(peaks)
+  assert LOW <= ratio <= HIGH, (case, "sampler", ratio, peaks, est.summary())
+
+
+def test_remat_and_micro_batches_on_cpu_and_elsewhere():
+  acts = lambda platform, **model: memory.estimate(_run(model=model), 1, 1, platform=platform).trainer["activations"]
+  none = acts("cpu")
+  assert acts("cpu", remat=True, scan_layers=True) < none / 3
+  assert acts("cpu", remat=True) == none  # XLA:CPU hoists the recomputation of unrolled layers
+  assert acts("tpu", remat=True) < acts("tpu") / 3
+  # Unrolled micro-batches (<= 4) all live at once on CPU; a scan over 8 holds one.
+  est = lambda tokens, platform="cpu": memory.estimate(_run(optimizer=dict(micro_batch_tokens=tokens)), 1, 1,
+                                                       platform=platform).trainer
+  assert est(1024)["activations"] == est(0)["activations"] and est(1024)["grads"] == 1.5 * est(0)["grads"]
+  assert est(1024, "tpu")["activations"] == pytest.approx(est(0, "tpu")["activations"] / 2, rel=1e-6)
+  assert est(256)["activations"] == pytest.approx(est(0)["activations"] / 8, rel=1e-6)
+
+
+def test_check_refuses_in_one_line_naming_the_knob():
+  line = re.compile(r"^trainer needs ~[\d.]+ GiB per device > [\d.]+ GiB available: (.*)$")
+  run = _run()
+  est = memory.estimate(run, 1, 1)
+  memory.check(est, est.trainer_bytes, est.sampler_bytes)  # exactly enough
+  with pytest.raises(ValueError) as e:
+    memory.check(est, 2 ** 20, GIB, run=run)
+  knob = line.match(str(e.value)).group(1)
+  assert "model.overrides.remat=True and model.overrides.scan_layers=True" in knob
+  assert "set optimizer.micro_batch_tokens" in knob
+  # With remat and scan on and micro-batches set, what is left is the micro-batch size and the sequence.
+  run = _run(model=dict(remat=True, scan_layers=True), optimizer=dict(micro_batch_tokens=512))
+  with pytest.raises(ValueError) as e:
+    memory.check(memory.estimate(run, 1, 1), 2 ** 20, GIB, run=run)
+  assert line.match(str(e.value)).group(1) == "lower optimizer.micro_batch_tokens or shorten rollout.max_new_tokens"
+  # A big model on short rows: the train state dominates, so more devices (and no reference copy).
+  run = _run(model=dict(d_model=1024, mlp_dim=4096, n_heads=8, head_dim=128), rollout=dict(max_prompt_len=4,
+             max_new_tokens=4), algorithm=dict(kl_coef=0.04))
+  with pytest.raises(ValueError, match=r"topology.trainer_mesh.fsdp.*algorithm.kl_coef=0") as e:
+    memory.check(memory.estimate(run, 1, 1), 2 ** 20, GIB, run=run)
+  assert "\n" not in str(e.value)
+  # Many eval rows x long generations: the sampler's KV cache.
+  run = _run(rollout=dict(max_new_tokens=2048), eval_samples=64)
+  est = memory.estimate(run, 1, 1)
+  assert est.sampler["kv_cache"] > est.sampler["weights"]
+  with pytest.raises(ValueError, match=r"^sampler needs ~[\d.]+ GiB per device > [\d.]+ GiB available: lower "
+                                       r"rollout.max_new_tokens or the sampler batch \(16 rollout rows; "
+                                       r"eval.n_samples x 16 = 1024\)$"):
+    memory.check(est, est.trainer_bytes, est.sampler_bytes - 1, run=run)
+
+
+def test_colocated_roles_add_up_on_each_device():
+  est = memory.estimate(_run(topology=dict(colocated=True)), 2, 2)
+  assert est.colocated
+  both = est.trainer_bytes + est.sampler_bytes
+  memory.check(est, both, 0)  # the sampler's budget is the trainer's: same devices
+  with pytest.raises(ValueError, match=r"^trainer \+ sampler \(colocated\) need ~[\d.]+ GiB per device"):
+    memory.check(est, both - 1, both)
+  apart = memory.estimate(_run(), 2, 2)
+  memory.check(apart, both - 1, both)  # disjoint devices: each role alone must fit
+  assert est.total_bytes == 2 * both == apart.total_bytes
+
+
+def test_shared_host_compares_the_sum_over_devices():
+  est = memory.estimate(_run(), 2, 2)
+  t, s = est.trainer_bytes, est.sampler_bytes
+  assert est.total_bytes == 2 * t + 2 * s
+  # Even shares of one RAM: the trainer may use more than its share while the sampler uses less.
+  share = (t + s) // 2 + 1
+  with pytest.raises(ValueError, match="^trainer needs"):
+    memory.check(est, share, share)
+  memory.check(est, share, share, shared_host=True)
+  with pytest.raises(ValueError, match=r"^trainer \+ sampler need ~[\d.]+ GiB of host memory \(2 x [\d.]+ GiB "
+                                       r"trainer \+ 2 x [\d.]+ GiB sampler\) > [\d.]+ GiB available: "):
+    memory.check(est, share - 2, share - 2, shared_host=True)
+
+
+def test_device_budget_bytes():
+  cpu = jax.devices()[0]
+  assert memory.device_budget_bytes(cpu) == psutil.virtual_memory().total // len(jax.devices())
+  gpu = types.SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 80 * GIB, "bytes_in_use": 1})
+  assert memory.device_budget_bytes(gpu) == 80 * GIB
+  odd = types.SimpleNamespace(platform="tpu", memory_stats=lambda: None)
+  with pytest.raises(ValueError, match="bytes_limit"):
+    memory.device_budget_bytes(odd)
+
+
+def test_bad_device_counts():
+  with pytest.raises(ValueError, match=r"^topology.colocated=True: trainer_devices=4 and sampler_devices=2"):
+    memory.estimate(_run(topology=dict(colocated=True)), 4, 2)
+  run = _run(topology=dict(trainer_mesh=dict(data=1, fsdp=-1, tensor=3)))
+  with pytest.raises(ValueError, match=r"^topology.trainer_mesh=.* does not fit 4 trainer device\(s\)$"):
+    memory.estimate(run, 4, 4)
+
+
+def test_summary_lists_every_item_in_gib():
+  est = memory.estimate(_run(algorithm=dict(kl_coef=0.04)), 1, 1)
+  text = est.summary()
+  for item in memory.TRAINER_ITEMS + memory.SAMPLER_ITEMS:
+    assert re.search(rf"^  {item} +\d+\.\d{{3}}  ", text, re.M), item
+  assert f"  params{est.trainer['params'] / GIB:17.3f}" in text
+  assert f"{est.trainer_bytes / GIB:.3f}" in text and f"{est.total_bytes / GIB:.3f} GiB" in text
+
+
+def test_check_topology_on_fake_cpu_devices():
+  run = _run(topology=dict(slice_size=2, trainer_slices=2, sampler_slices=2))
+  topo = build_topology(run.topology)
+  est = memory.check_topology(run, topo)
+  assert (est.trainer_devices, est.sampler_devices) == (4, 4)
+  huge = _run(topology=dict(slice_size=2, trainer_slices=2, sampler_slices=2),
+              model=dict(d_model=8192, mlp_dim=32768, n_heads=64, head_dim=128, n_layers=32))
+  with pytest.raises(ValueError, match="of host memory"):
+    memory.check_topology(huge, build_topology(huge.topology))
+
+
+def test_idle_fake_cpu_devices_leave_their_ram_to_the_used_ones(monkeypatch):
+  import collections  # pylint: disable=g-import-not-at-top
+  import psutil  # pylint: disable=g-import-not-at-top
+  run = _run(topology=dict(slice_size=1, trainer_slices=1, sampler_slices=1))
+  topo = build_topology(run.topology)  # 2 of the 8 fake devices
+  need = memory.estimate(run, 1, 1, platform="cpu").total_bytes
+  mem = collections.namedtuple("mem", "total")
+  monkeypatch.setattr(psutil, "virtual_memory", lambda: mem(int(need * 1.5)))
+  memory.check_topology(run, topo)  # 8 even shares would give these two devices 0.375x what they need
+  monkeypatch.setattr(psutil, "virtual_memory", lambda: mem(int(need * 0.9)))
+  with pytest.raises(ValueError, match="of host memory"):
+    memory.check_topology(run, topo)
