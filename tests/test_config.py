@@ -11,6 +11,7 @@ import ml_collections
 import pytest
 
 from configs import base, demo
+from harness import hf_models
 from rlax import config as config_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -18,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = [("base", None), ("demo", None), ("demo", "smoke"), ("demo", "tiny"),
            *[("algorithm", a) for a in ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "cispo")],
            ("paper_qwq32b", None), ("paper_qwq32b", "32k"), ("paper_qwq32b", "tiny"), ("v5p_128", None),
-           ("v5p_128", "tiny"), ("v5p_512", None), ("v5p_512", "tiny")]
+           ("v5p_128", "tiny"), ("v5p_512", None), ("v5p_512", "tiny"), ("smollm2", None), ("smollm2", "smoke")]
 
 
 def test_every_config_file_is_listed():
@@ -27,8 +28,11 @@ def test_every_config_file_is_listed():
 
 
 @pytest.mark.parametrize("name,arg", CONFIGS)
-def test_config_loads_and_validates(name, arg):
+def test_config_loads_and_validates(name, arg, tmp_path):
   cd = importlib.import_module(f"configs.{name}").get_config(arg)
+  if cd.model.hf_checkpoint:  # a real model directory is not in CI: a tiny one of the same layout stands in
+    hf_models.make_dir(tmp_path, "llama", tie=True)
+    cd.model.hf_checkpoint = str(tmp_path)
   run = config_lib.load(cd)
   assert os.path.isabs(run.workdir)
   assert run.algorithm.name in config_lib.RUNTIME_ALGORITHMS

@@ -120,3 +120,21 @@ def test_trainer_steps_run_under_a_transfer_guard(tmp_path):
   c = tiny_config(tmp_path, **{"algorithm.kl_coef": 0.04, "checkpoint.every_steps": 1})
   out = Controller(c, progress=False, callbacks=[toggle]).run()
   assert out["steps"] == 4 and not out["preempted"]
+
+
+@pytest.mark.parametrize("sft_steps", [0, 3])
+def test_kl_reference_is_the_starting_policy_after_a_resume(tmp_path, sft_steps):
+  over = {"algorithm.kl_coef": 0.1, "init.sft_steps": sft_steps, "init.sft_batch": 8, "controller.steps": 3}
+
+  def stop_after_1(ctl, step, row):
+    if step == 0:
+      ctl.request_stop()
+
+  reward = lambda text, record: (float(len(text) % 2), {})  # varies, so the policy moves away from the start
+  first = Controller(tiny_config(tmp_path, **over), progress=False, callbacks=[stop_after_1], reward_fn=reward)
+  assert first.run()["preempted"]
+  start = jax.device_get(first.ref_params)  # the policy RL started from (after any warm start)
+  second = Controller(tiny_config(tmp_path, **over), progress=False, reward_fn=reward)
+  assert second.run()["steps"] == 3
+  assert _params_equal(second.ref_params, start)
+  assert not _params_equal(second.final_state.params, start)
