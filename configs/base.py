@@ -74,6 +74,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # export_every > 0: also write an HF directory every N steps (the final policy always goes to workdir/export).
   c.checkpoint = ml_collections.ConfigDict(dict(every_steps=50, every_seconds=600.0, keep=3,
                                                 grace_seconds=30.0, export_every=0))
-  # Simulated slice preemption (rlax.failover): "slice:step,..." loses / restores a slice at a step boundary.
-  c.faults = ml_collections.ConfigDict(dict(lose_slice_at="", restore_slice_at=""))
+  # Simulated slice preemption (rlax.runtime.failover): "slice:step,..." loses / restores a slice at a step
+  # boundary; kill_in_recovery "phase[:kill|term],..." signals the process inside recovery phases (tests).
+  c.faults = ml_collections.ConfigDict(dict(lose_slice_at="", restore_slice_at="", kill_in_recovery=""))
   return c

@@ -5,8 +5,13 @@
 The faulted run is a chain of `python -m launch.main` processes in one workdir: SIGKILLs at seeded random
 steps (plus a random delay inside the step), one SIGTERM (checkpoint and exit), a truncated file in the
 newest checkpoint between two restarts, and, in-process, the loss of a sampler slice and of a trainer slice
-(`faults.lose_slice_at`, fired by rlax.runtime.failover). An uninterrupted run of the same config runs alongside;
-both write `params_sha256` to summary.json. One table row per fault; the last line is one JSON object.
+(`faults.lose_slice_at`, fired by rlax.runtime.failover), one of whose recoveries is SIGKILLed in a seeded
+phase (`faults.kill_in_recovery`). An uninterrupted run of the same config runs alongside; both write
+`params_sha256` to summary.json.
+
+Every injected fault is a row, with what happened to it: a slice fault is recovered in-process, or its
+recovery was interrupted and the next process started without the slice, or it is reported as never
+recovered. `faults_survived` counts the rows that survived; the last line is one JSON object.
 """
 
 import json
@@ -21,12 +26,16 @@ import time
 from absl import app, flags
 
 from launch.flags_util import define_workdir, parse_or_exit
+from rlax.config import RECOVERY_PHASES
 
 STEPS = flags.DEFINE_integer("steps", 24, "RL steps of the shrunk demo.")
 KILLS = flags.DEFINE_integer("kills", 5, "SIGKILLs to inject (>= 5 asked by the issue).")
 FAULT_SEED = flags.DEFINE_integer("fault_seed", 0, "Seed for kill steps and delays (not the run's config.seed).")
 WORKDIR = define_workdir("/tmp/rlax_fault_inject", "Parent of the ref/ and faulted/ workdirs.")
 EVERY = flags.DEFINE_integer("ckpt_every", 3, "Checkpoint period in steps.")
+RECOVERY_KILL = flags.DEFINE_enum(
+    "kill_in_recovery", "random", ["random", "none", *RECOVERY_PHASES],
+    "Recovery phase in which a slice-loss recovery SIGKILLs its process ('random': drawn with --fault_seed).")
 
 
 def _cmd(workdir, extra=()):
@@ -66,6 +75,50 @@ def _corrupt_newest(workdir):
   return step
 
 
+def _events(workdir, kind=None):
+  path = os.path.join(workdir, "failover.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    events = [json.loads(x) for x in f if x.strip()]
+  return [e for e in events if kind is None or e["event"] == kind]
+
+
+def _slice_rows(run_dir, resumed_of_pid):
+  """A row per injected slice fault: recovered in-process, or carried across a restart, or lost (the truth)."""
+  events, rows = _events(run_dir), []
+  metric_times = sorted(r["time"] for r in _rows(run_dir))
+  for i, e in enumerate(events):
+    if e["event"] != "injected":
+      continue
+    sl, gone = e["slice"], e["kind"] == "lose"
+    name = f"slice_{'loss' if gone else 'return'} [{sl}]"
+    handled = None
+    for later in events[i + 1:]:
+      if later["event"] == "recovered" and sl in later["lost" if gone else "returned"]:
+        handled = later
+        break
+      if later["event"] == "restart" and (sl in later["missing"]) == gone:
+        handled = later
+        break
+    if handled is None:
+      rows.append({"kind": f"{name} (injected, never recovered)", "step": e["step"], "lost": 0,
+                   "recovery_s": float("nan"), "survived": False})
+    elif handled["event"] == "recovered":
+      rows.append({"kind": f"{name} (trainer {handled['trainer']}, sampler {handled['sampler']})",
+                   "step": e["step"], "lost": handled["steps_lost"], "recovery_s": handled["recovery_s"],
+                   "survived": True})
+    else:  # the process died inside the recovery; the next one started without the slice
+      kills = [k for k in events[i + 1:events.index(handled)] if k["event"] == "killed"]
+      how = f"killed in phase {kills[-1]['phase']}" if kills else "process killed"
+      later = [t for t in metric_times if t > handled["time"]]
+      rows.append({"kind": f"{name} (recovery interrupted: {how}; restarted with trainer {handled['trainer']}, "
+                           f"sampler {handled['sampler']})",
+                   "step": e["step"], "lost": e["step"] - resumed_of_pid[handled["pid"]],
+                   "recovery_s": (later[0] if later else handled["time"]) - e["time"], "survived": True})
+  return rows
+
+
 def main(argv):
   del argv
   rng = random.Random(FAULT_SEED.value)
@@ -74,7 +127,10 @@ def main(argv):
   ref_dir, run_dir = (os.path.join(WORKDIR.value, d) for d in ("ref", "faulted"))
   subprocess.run(["rm", "-rf", ref_dir, run_dir], check=True)
   lose_s, lose_t = max(2, n // 3), max(4, (2 * n) // 3)  # sampler slice 2, trainer slice 0 (in-process)
+  phase = rng.choice(RECOVERY_PHASES) if RECOVERY_KILL.value == "random" else RECOVERY_KILL.value
   faults = [f"--config.faults.lose_slice_at=2:{lose_s},0:{lose_t}"]
+  if phase != "none":  # the process SIGKILLs itself inside the first recovery that reaches `phase`
+    faults.append(f"--config.faults.kill_in_recovery={phase}")
   ref, _ = _start(ref_dir, (), "_ref")
   # Interruptions at increasing steps, away from the slice-fault steps; the SIGTERM sits in the middle.
   plan = ["kill"] * KILLS.value
@@ -82,30 +138,53 @@ def main(argv):
   free = [s for s in range(1, n - 3) if abs(s - lose_s) > 1 and abs(s - lose_t) > 1]
   targets = sorted(rng.sample(free, len(plan)))
   corrupt_after = 1  # truncate the newest checkpoint after the second interruption
-  table, n_proc, pending = [], 0, None
+  table, logs, waiting = [], [], []  # rows waiting for the log of the process that resumes after them
+
+  def launch():
+    proc, log = _start(run_dir, faults, len(logs))
+    logs.append((proc, log))
+    for row in waiting:
+      row["log"] = log
+    waiting.clear()
+    return proc
+
+  def died_in_recovery(proc, kills_before):
+    """A process that ended early must have been SIGKILLed by its own recovery fault: record it."""
+    killed = _events(run_dir, "killed")[kills_before:]
+    if proc.returncode != -signal.SIGKILL or not killed:
+      raise SystemExit(f"faulted run exited early (rc {proc.returncode}); see {logs[-1][1]}")
+    e = killed[-1]
+    row = {"kind": f"sigkill in recovery ({e['phase']})", "step": e["step"], "t": e["time"]}
+    table.append(row)
+    waiting.append(row)
+
   for i, (kind, target) in enumerate(zip(plan, targets)):
-    base = len(_rows(run_dir))  # this process's rows come after `base`
-    proc, log = _start(run_dir, faults, n_proc)
-    n_proc += 1
-    if pending:
-      pending["log"] = log
-    while proc.poll() is None and max((r["step"] for r in _rows(run_dir)[base:]), default=-1) < target:
-      time.sleep(0.05)
-    time.sleep(rng.uniform(0.0, 0.5))  # somewhere inside the next step
-    if proc.poll() is not None:
-      raise SystemExit(f"faulted run exited early (rc {proc.returncode}); see {log}")
+    while True:
+      base, kills = len(_rows(run_dir)), len(_events(run_dir, "killed"))  # this process's rows come after `base`
+      proc = launch()
+      while proc.poll() is None and max((r["step"] for r in _rows(run_dir)[base:]), default=-1) < target:
+        time.sleep(0.05)
+      if proc.poll() is None:
+        time.sleep(rng.uniform(0.0, 0.5))  # somewhere inside the next step
+      if proc.poll() is None:
+        break
+      died_in_recovery(proc, kills)
     proc.send_signal(signal.SIGKILL if kind == "kill" else signal.SIGTERM)
     proc.wait()  # a SIGTERM finishes its step and checkpoints first
     t_fault = time.time()
     rows = _rows(run_dir)[base:]
-    done = rows[-1]["step"] + 1 if rows else _resumed_step(log)
-    pending = {"kind": "sigkill" if kind == "kill" else "sigterm", "step": done, "t": t_fault}
-    table.append(pending)
+    done = rows[-1]["step"] + 1 if rows else _resumed_step(logs[-1][1])
+    row = {"kind": "sigkill" if kind == "kill" else "sigterm", "step": done, "t": t_fault}
+    table.append(row)
+    waiting.append(row)
     if i == corrupt_after:
       table.append({"kind": "corrupt_checkpoint", "step": _corrupt_newest(run_dir), "t": time.time()})
-  proc, log = _start(run_dir, faults, n_proc)
-  pending["log"] = log
-  rc = proc.wait()
+  while True:
+    kills = len(_events(run_dir, "killed"))
+    proc = launch()
+    if proc.wait() == 0:
+      break
+    died_in_recovery(proc, kills)
   ref_rc = ref.wait()
   # Steps lost = work done before the fault minus the step the next process resumed from.
   # (A kill right before the corruption counts the corruption's loss too: its process resumed further back.)
@@ -119,20 +198,17 @@ def main(argv):
     # Kill → the first step trained by the next process (or its summary, if no step was left to train).
     done_at = min(later) if later else os.path.getmtime(os.path.join(run_dir, "summary.json"))
     row["recovery_s"] = done_at - row["t"]
-  events = [json.loads(x) for x in open(os.path.join(run_dir, "failover.jsonl"))]
-  for e in (e for e in events if e["event"] == "recovered"):
-    table.append({"kind": f"slice_loss {e['lost']} (trainer {e['trainer']}, sampler {e['sampler']})",
-                  "step": e["step"], "lost": e["steps_lost"], "recovery_s": e["recovery_s"], "survived": True})
-  print(f"{'fault':52s} {'step':>5s} {'lost':>5s} {'recovery_s':>10s}")
+  table += _slice_rows(run_dir, {p.pid: _resumed_step(log) for p, log in logs})
+  width = max(52, *(len(r["kind"]) for r in table))
+  print(f"{'fault':{width}s} {'step':>5s} {'lost':>5s} {'recovery_s':>10s} survived")
   for r in table:
-    print(f"{r['kind']:52s} {r['step']:5d} {r['lost']:5d} {r['recovery_s']:10.2f}")
+    print(f"{r['kind']:{width}s} {r['step']:5d} {r['lost']:5d} {r['recovery_s']:10.2f} {r['survived']}")
   summ = [json.load(open(os.path.join(d, "summary.json"))) for d in (ref_dir, run_dir)]
-  injected = len(table) + sum(1 for e in events if e["event"] == "injected") - sum(
-      1 for e in events if e["event"] == "recovered")
-  print(json.dumps({"faults_injected": injected, "faults_survived": sum(bool(r["survived"]) for r in table),
+  print(json.dumps({"faults_injected": len(table), "faults_survived": sum(bool(r["survived"]) for r in table),
                     "max_steps_lost": max(r["lost"] for r in table), "params_equal":
-                    rc == 0 and ref_rc == 0 and summ[0]["params_sha256"] == summ[1]["params_sha256"],
-                    "steps": n, "faulted_steps": summ[1]["steps"], "processes": n_proc + 1,
+                    ref_rc == 0 and summ[0]["params_sha256"] == summ[1]["params_sha256"],
+                    "steps": n, "faulted_steps": summ[1]["steps"], "processes": len(logs),
+                    "recovery_kill_phase": phase, "fault_seed": FAULT_SEED.value,
                     "pass1_ref": summ[0].get("pass1_after"), "pass1_faulted": summ[1].get("pass1_after")}))
 
 

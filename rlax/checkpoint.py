@@ -154,12 +154,14 @@ class Checkpointer:
     """Newest readable checkpoint as (step, state, meta), or None when there is none.
 
     An unreadable step (corrupt or partial files) is skipped with a warning and the previous one is
-    tried; an incompatible tree/shape raises IncompatibleCheckpointError at once.
+    tried; an incompatible tree/shape raises IncompatibleCheckpointError at once. A single-process run
+    moves the unreadable step aside to `<step>.unreadable` (kept for inspection), so the run saves that
+    step again when it gets there instead of falling back past it at every later restart.
     """
     self.wait()
     for step in reversed(self.all_steps()):
       try:
-        return self.restore(step, target)
+        got = self.restore(step, target)
       except IncompatibleCheckpointError:
         raise
       except Exception as e:  # orbax/tensorstore raise many types for unreadable files
@@ -167,6 +169,13 @@ class Checkpointer:
                f"one: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
         logging.warning(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        if jax.process_count() == 1:
+          path = os.path.join(self.directory, str(step))
+          os.replace(path, f"{path}.unreadable.{time.time_ns()}")
+          self._mgr.reload()
+          self._last_step = self._mgr.latest_step()
+        continue
+      return got
     return None
 
   def wait(self) -> None:

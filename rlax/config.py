@@ -142,11 +142,18 @@ class CheckpointConfig:
   export_every: int = 0
 
 
+# Phases of a slice-fault recovery (rlax.runtime.failover.recover), in order; "restore" only when the
+# trainer moved.
+RECOVERY_PHASES = ("reassign", "build", "restore", "push", "commit")
+
+
 @dataclasses.dataclass(frozen=True)
 class FaultsConfig:
-  """Simulated slice preemption: (slice, step) pairs lost / restored at step boundaries."""
+  """Simulated slice preemption: (slice, step) pairs lost / restored at step boundaries, and signals sent
+  to the process during recoveries: (phase, "SIGKILL" | "SIGTERM"), one per recovery, in order."""
   lose_slice_at: tuple[tuple[int, int], ...] = ()
   restore_slice_at: tuple[tuple[int, int], ...] = ()
+  kill_in_recovery: tuple[tuple[str, str], ...] = ()
 
   @property
   def any(self) -> bool:
@@ -245,6 +252,21 @@ def parse_schedule(spec: str, field: str) -> tuple[tuple[int, int], ...]:
   return tuple(out)
 
 
+def parse_recovery_kills(spec: str) -> tuple[tuple[str, str], ...]:
+  """'restore,build:term' → (("restore", "SIGKILL"), ("build", "SIGTERM")); empty string → ()."""
+  out = []
+  for part in (p.strip() for p in (spec or "").split(",")):
+    if not part:
+      continue
+    phase, _, how = part.partition(":")
+    sig = {"": "SIGKILL", "kill": "SIGKILL", "term": "SIGTERM"}.get(how)
+    if phase not in RECOVERY_PHASES or sig is None:
+      raise ValueError(f"faults.kill_in_recovery={spec!r}: entries must look like 'phase' or 'phase:kill|term' "
+                       f"with phase one of {', '.join(RECOVERY_PHASES)}; got {part!r}")
+    out.append((phase, sig))
+  return tuple(out)
+
+
 def _hf_model(path: str, overrides: dict) -> tuple[str, models.ModelConfig]:
   """(absolute dir, ModelConfig from its config.json): f32 master weights and bf16 compute unless overridden."""
   from rlax.models import hf  # pylint: disable=g-import-not-at-top
@@ -289,7 +311,7 @@ def load(cd: Any) -> RunConfig:
     algorithm = algorithms.get_algorithm(name, **{**algo, **overrides})
   except (TypeError, ValueError) as e:
     raise ValueError(f"algorithm: {e}") from None
-  faults = _fields(top.get("faults"), ["lose_slice_at", "restore_slice_at"], "faults")
+  faults = _fields(top.get("faults"), ["lose_slice_at", "restore_slice_at", "kill_in_recovery"], "faults")
   sections = {k: _section(cls, top.get(k, {}), k) for k, cls in _SECTIONS.items() if k != "plan"}
   d = sections["data"]
   absolute = lambda spec: ",".join(os.path.abspath(os.path.expanduser(p)) for p in spec.split(",") if p.strip())
@@ -301,7 +323,8 @@ def load(cd: Any) -> RunConfig:
       model_preset=preset, model=model_cfg, hf_checkpoint=hf_dir,
       topology=TopologyConfig.from_dict(_plain(top.get("topology", {}))), algorithm=algorithm,
       faults=FaultsConfig(parse_schedule(faults.get("lose_slice_at", ""), "faults.lose_slice_at"),
-                          parse_schedule(faults.get("restore_slice_at", ""), "faults.restore_slice_at")),
+                          parse_schedule(faults.get("restore_slice_at", ""), "faults.restore_slice_at"),
+                          parse_recovery_kills(faults.get("kill_in_recovery", ""))),
       plan=_section(PlanConfig, top["plan"], "plan") if top.get("plan") is not None else None,
       **sections)
   validate(run)

@@ -1,6 +1,17 @@
-"""Eight fake CPU devices for every test: set once, before any JAX operation."""
+"""Eight fake CPU devices for every test: set once, before any JAX operation.
 
+Compiled programs go to a persistent cache shared by the test workers and the subprocesses they start:
+most tests build the same tiny controller, and recompiling it dominated the suite's time.
+"""
+
+import getpass
 import os
+import tempfile
+
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"rlax-tests-jax-cache-{getpass.getuser()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:

@@ -143,7 +143,13 @@ def test_corrupt_latest_falls_back_with_warning(tmp_path, mesh8, kind):
   with ck.Checkpointer(tmp_path, keep=3) as c:
     with pytest.warns(RuntimeWarning, match="checkpoint step 2 .* unreadable"):
       step, restored, meta = c.restore_latest(_target(s1, mesh8))
-  assert step == 1 and meta["step"] == 1 and _equal(restored, s1)
+    assert step == 1 and meta["step"] == 1 and _equal(restored, s1)
+    # The unreadable step is moved aside (kept), so the resumed run writes step 2 again.
+    assert c.all_steps() == [1] and len(list(tmp_path.glob("2.unreadable.*"))) == 1
+    c.save(2, s2, {"step": 2}, force=True)
+  with ck.Checkpointer(tmp_path, keep=3) as c:
+    step, restored, meta = c.restore_latest(_target(s2, mesh8))
+  assert step == 2 and meta["step"] == 2 and _equal(restored, s2)
 
 
 def test_restore_on_fewer_devices(tmp_path, mesh8):

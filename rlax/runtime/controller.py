@@ -82,11 +82,13 @@ class Controller:
     if self.channel is not None and run.faults.any:
       raise ValueError("faults.lose_slice_at / restore_slice_at simulate slice loss inside one controller "
                        "process; a multi-process job recovers by restarting (launch.multihost)")
+    # Slices an earlier process lost stay lost: start on the reduced topology.
+    self.faults = failover.Faults(run, topology)
+    topology = self.faults.restart_topology(topology)
     # Before anything compiles: a config that cannot fit fails here, naming the knob to change.
     est = memory.check_topology(run, topology)
     logging.info("memory estimate per device:\n%s", est.summary())
     self.parts = builders.components(run, topology, tok=self.tokenizer, channel=self.channel)
-    self.faults = failover.Faults(run, topology)
     self.preemption = Preemption(run.checkpoint.grace_seconds)
     self.callbacks = list(callbacks)
     self.pool = builders.verifier_pool(run) if self.sampler is not None else None
@@ -101,6 +103,7 @@ class Controller:
     self.final_state = None
     self.ref_params = None
     self._data_after: dict = {}  # data position after the newest trained batch
+    self._saved: Optional[int] = None  # step of the newest checkpoint written or restored
 
   # -- the parts this process holds (read-only views) ----------------------------------------------------------
   @property
@@ -169,6 +172,7 @@ class Controller:
       return
     n = self.run_state.pending_needed(s)
     pending = queue.peek(n) if n else []
+    self._saved = s
     self.run_state.save(s, state, pending=pending, data_state=pending[-1].data_state if pending else self._data_after,
                         version=self.weights.pushed, history=self.metrics.history, eval_before=before,
                         ref_params=self.ref_params)
@@ -235,6 +239,9 @@ class Controller:
         self._save(s, state, queue, before, force=self.preemption.requested or s == steps)
         if run.checkpoint.export_every and s % run.checkpoint.export_every == 0 and s < steps:
           self._export(state.params, os.path.join(self.workdir, "exports", str(s)))
+      if self.preemption.requested and s < steps and self._saved != s:
+        # The notice came between a step's save check and the loop test, or during a recovery.
+        self._save(s, state, queue, before, force=True)
     except failover.TopologyChange as e:
       fault, kept = e, queue.peek(len(queue))
     finally:
@@ -263,6 +270,7 @@ class Controller:
       start, state, pending, before = resume.step, resume.state, resume.pending, resume.eval_before
       # The reference is the policy RL started from, never the resumed one.
       ref_params = (resume.ref_params if self.run_state.with_ref else initial) if kl else None
+      self._saved = start
       self.metrics.history[:] = resume.history
       self._data_after = resume.data_state
       if self.data is not None:
@@ -285,9 +293,10 @@ class Controller:
                              kept=kept, data_state=self._data_after, restore=self.run_state.restore)
       self.parts, s, state, ref_params, pending = rec.parts, rec.step, rec.state, rec.ref_params, rec.pending
       self.ref_params = ref_params
-      if rec.history is not None:
+      if rec.history is not None:  # the trainer restored the newest checkpoint
         self.metrics.history[:] = rec.history
         self._data_after = rec.data_state
+        self._saved = s
       self.data.set_state(rec.data_state)
     self.run_state.wait()
     finished = s == steps

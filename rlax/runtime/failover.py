@@ -14,8 +14,15 @@ function from (parts, lost/returned slices, where the loop stood) to (new parts,
   rebuilt on the new mesh and restores the newest checkpoint onto it; the step, data position and
   metric history rewind to the checkpoint's and the steps since are redone.
 
-Every event is appended to `<workdir>/failover.jsonl`; faults that fired are recorded there, so a
-restarted process does not fire them again.
+Every event is appended to `<workdir>/failover.jsonl`. Faults persist like real ones: a fault that fired
+is recorded there, so a restarted process does not fire it again, and a slice lost before the restart is
+still lost after it (the restarted controller starts on the reduced topology, as a job restarted after a
+slice preemption finds fewer slices) until its scheduled return.
+
+Recovery is preemptible: it writes nothing but its log lines, so a SIGKILL in any of its phases
+(`RECOVERY_PHASES`) leaves the newest checkpoint and the failover log, from which the next process resumes
+on the reduced topology; a SIGTERM lets it finish and checkpoint. `faults.kill_in_recovery` sends those
+signals deliberately, at a named phase, for tests and launch.fault_inject.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import time
 from typing import Any, Callable, Optional
 
@@ -30,7 +38,7 @@ from absl import logging
 import jax
 
 from rlax import builders
-from rlax.config import RunConfig
+from rlax.config import RECOVERY_PHASES, RunConfig
 from rlax.rollout import Rollout
 from rlax.runtime.run_state import Resume
 from rlax.topology import FaultInjector, SliceLostError, Topology, reassign
@@ -57,7 +65,19 @@ class Faults:
         raise ValueError(f"faults: slice {sl} to {kind} does not exist; slices are {sorted(known)}")
     self.path = os.path.join(run.workdir, "failover.jsonl")
     self.events: list[dict] = []
-    self._fired = {(e["kind"], e["slice"], e["at_step"]) for e in self._read() if e.get("event") == "injected"}
+    past = self._read()
+    injected = [e for e in past if e.get("event") == "injected"]
+    self._fired = {(e["kind"], e["slice"], e["at_step"]) for e in injected}
+    self._replayed = bool(injected)
+    self._why: dict[int, dict] = {}  # slice → the injection that took it, for the restart log
+    for e in injected:  # replay the health changes of earlier processes
+      if e["kind"] == "lose":
+        self.injector.lose(e["slice"])
+        self._why[e["slice"]] = e
+      else:
+        self.injector.restore(e["slice"])
+    self._kills_done = sum(1 for e in past if e.get("event") == "killed")
+    self._recovery: Optional[dict] = None  # the recovery in progress: where a deliberate signal lands
     self._versions: dict[int, Any] = {}  # deterministic mode: trainer-side copies of recent pushed weights
 
   def _read(self) -> list[dict]:
@@ -74,6 +94,41 @@ class Faults:
   def lost(self) -> frozenset[int]:
     return self.injector.lost
 
+  def restart_topology(self, topology: Topology) -> Topology:
+    """The topology this process starts on: without the slices earlier processes lost (and did not get back)."""
+    if not self._replayed:
+      return topology
+    missing = sorted(self.injector.lost)
+    topo = reassign(topology, missing) if missing else topology
+    why = {}
+    for sl in missing:
+      e = self._why[sl]
+      back = sorted(st for kind, s, st in self._schedule
+                    if kind == "restore" and s == sl and (kind, s, st) not in self._fired)
+      why[str(sl)] = (f"lost at step {e['step']} (faults.lose_slice_at {sl}:{e['at_step']}); "
+                      + (f"returns at step {back[0]}" if back else "no return scheduled"))
+    self.log({"event": "restart", "missing": missing, "why": why, "trainer": list(topo.assignment.trainer),
+              "sampler": list(topo.assignment.sampler), "colocated": topo.assignment.colocated, "pid": os.getpid(),
+              "time": time.time()})
+    logging.warning("restart after slice faults: %s → trainer %s, sampler %s%s",
+                    "; ".join(f"slice {k} missing: {v}" for k, v in why.items()) or "no slice missing",
+                    list(topo.assignment.trainer),
+                    list(topo.assignment.sampler), " (colocated)" if topo.assignment.colocated else "")
+    return topo
+
+  def phase(self, name: str) -> None:
+    """Recovery reached phase `name`: the next deliberate signal of `faults.kill_in_recovery` lands here if due."""
+    assert name in RECOVERY_PHASES, name
+    plan = self.run.faults.kill_in_recovery
+    if self._kills_done >= len(plan) or plan[self._kills_done][0] != name:
+      return
+    sig = plan[self._kills_done][1]
+    self._kills_done += 1
+    self.log({"event": "killed", "phase": name, "signal": sig, **(self._recovery or {}), "pid": os.getpid(),
+              "time": time.time()})
+    logging.warning("fault injection: %s during recovery phase %r", sig, name)
+    send_signal(getattr(signal, sig))
+
   def ensure_alive(self, x: Any) -> None:
     self.injector.ensure_alive(x)
 
@@ -89,6 +144,13 @@ class Faults:
     if back:
       raise SlicesReturned(f"slices {sorted(back)} returned")
     self.injector.ensure_alive(topology.trainer_mesh)
+
+  def begin_recovery(self, what: dict) -> None:
+    self._recovery = what
+    self.log({"event": "recovering", **what, "time": time.time()})
+
+  def end_recovery(self) -> None:
+    self._recovery = None
 
   def remember(self, params: Any, version: int) -> None:
     """Keeps a trainer-side copy of pushed `version` so a rebuilt sampler can regenerate its batch exactly."""
@@ -115,6 +177,11 @@ class Faults:
     return [(self._versions[v], v) for v in range(need, step)] + [(state.params, step)]
 
 
+def send_signal(sig: int) -> None:
+  """Signals this process (a SIGKILL ends it here; a SIGTERM reaches the preemption handler)."""
+  os.kill(os.getpid(), sig)
+
+
 @dataclasses.dataclass
 class Recovered:
   """What `recover` returns: the new parts and where the loop resumes (`history` None: unchanged)."""
@@ -136,10 +203,14 @@ def recover(run: RunConfig, parts: builders.Components, faults: Faults, err: Bas
   old = parts.topology
   lost = set(faults.lost) - set(old.assignment.lost)
   back = set(old.assignment.lost) - set(faults.lost)
+  faults.begin_recovery({"lost": sorted(lost), "returned": sorted(back), "step": step})
+  faults.phase("reassign")
   topo = reassign(old, lost, back)
+  faults.phase("build")
   new = builders.components(run, topo, reuse=parts)
   from_step, history = step, None
   if new.trainer is not parts.trainer:
+    faults.phase("restore")
     resume = restore(new.trainer.abstract_state())  # the new mesh's own layout
     faults.forget_versions()
     if resume is None:
@@ -152,8 +223,11 @@ def recover(run: RunConfig, parts: builders.Components, faults: Faults, err: Bas
                     jax.device_put(ref_params, new.trainer.state_shardings().params))
   elif kept:
     data_state = kept[-1].data_state
+  faults.phase("push")
   for params, v in faults.versions_for(step + len(kept), step, state):
     new.weights.push(params, v)
+  faults.phase("commit")
+  faults.end_recovery()
   event = {"event": "recovered", "kind": type(err).__name__, "lost": sorted(lost), "returned": sorted(back),
            "trainer": list(topo.assignment.trainer), "sampler": list(topo.assignment.sampler),
            "colocated": topo.assignment.colocated, "step": from_step, "resume_step": step,

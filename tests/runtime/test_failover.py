@@ -6,13 +6,14 @@ The tiny config trains on slices 0-1 and samples on slices 2-3; faults are sched
 
 import json
 import os
+import signal
 
 import jax
 import numpy as np
 import pytest
 
 from rlax import config as config_lib
-from rlax.runtime import Controller
+from rlax.runtime import Controller, failover
 from tiny import tiny_config
 
 DET = {"controller.max_staleness": 1, "deterministic": True, "controller.steps": 6}
@@ -22,9 +23,13 @@ def _devices(mesh):
   return {d.id for d in mesh.devices.flat}
 
 
-def _events(ctl):
-  with open(os.path.join(ctl.workdir, "failover.jsonl")) as f:
+def _events_in(workdir):
+  with open(os.path.join(workdir, "failover.jsonl")) as f:
     return [json.loads(line) for line in f]
+
+
+def _events(ctl):
+  return _events_in(ctl.workdir)
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +90,81 @@ def test_checkpoint_from_8_devices_restored_onto_4(tmp_path):
   for leaf in jax.tree.leaves(ctl.final_state.params):
     assert {d.id for d in leaf.sharding.device_set} <= {4, 5, 6, 7}
     assert np.isfinite(np.asarray(jax.device_get(leaf))).all()
+
+
+class _Killed(BaseException):
+  """Stands in for SIGKILL in-process: nothing after the kill point runs (the test discards the controller)."""
+
+
+def _kill_in_process(monkeypatch):
+  def send(sig):
+    if sig == signal.SIGKILL:
+      raise _Killed()
+    os.kill(os.getpid(), sig)
+  monkeypatch.setattr(failover, "send_signal", send)
+
+
+def test_a_lost_slice_stays_lost_across_a_restart(tmp_path, reference):
+  # Sampler slice 2 is lost at step 2; the process is preempted after step 3 and restarted.
+  over = dict(DET, **{"faults.lose_slice_at": "2:2"})
+  first = Controller(tiny_config(tmp_path, **over), progress=False)
+  first.callbacks.append(lambda c, s, row: c.request_stop() if s == 3 else None)
+  assert first.run()["steps"] == 4
+  again = Controller(tiny_config(tmp_path, **over), progress=False)
+  # The restarted controller starts on the reduced topology, and says why.
+  assert again.topo.assignment.lost == (2,) and _devices(again.topo.sampler_mesh) == {6, 7}
+  (restart,) = [e for e in _events(again) if e["event"] == "restart"]
+  assert restart["missing"] == [2] and restart["sampler"] == [3]
+  assert restart["why"]["2"].startswith("lost at step 2") and "no return scheduled" in restart["why"]["2"]
+  out = again.run()
+  assert out["steps"] == 6 and out["failovers"] == 0
+  assert out["params_sha256"] == reference["params_sha256"]
+
+
+def test_a_lost_slice_returns_on_schedule_after_a_restart(tmp_path, reference):
+  over = dict(DET, **{"faults.lose_slice_at": "2:1", "faults.restore_slice_at": "2:4"})
+  first = Controller(tiny_config(tmp_path, **over), progress=False)
+  first.callbacks.append(lambda c, s, row: c.request_stop() if s == 2 else None)
+  first.run()
+  again = Controller(tiny_config(tmp_path, **over), progress=False)
+  assert again.topo.assignment.lost == (2,)
+  assert "returns at step 4" in [e for e in _events(again) if e["event"] == "restart"][0]["why"]["2"]
+  out = again.run()
+  (back,) = [e for e in _events(again) if e["event"] == "recovered" and e["returned"]]
+  assert back["returned"] == [2] and back["sampler"] == [2, 3] and back["step"] == 4
+  assert out["params_sha256"] == reference["params_sha256"]
+
+
+@pytest.mark.parametrize("phase", config_lib.RECOVERY_PHASES)
+def test_sigkill_in_each_recovery_phase_resumes_from_the_last_checkpoint(tmp_path, reference, monkeypatch, phase):
+  # Trainer slice 0 is lost at step 5 (checkpoint at step 4); the recovery dies in `phase`.
+  _kill_in_process(monkeypatch)
+  over = dict(DET, **{"faults.lose_slice_at": "0:5", "faults.kill_in_recovery": phase})
+  with pytest.raises(_Killed):
+    Controller(tiny_config(tmp_path, **over), progress=False).run()
+  (killed,) = [e for e in _events_in(tmp_path) if e["event"] == "killed"]
+  assert (killed["phase"], killed["signal"], killed["lost"], killed["step"]) == (phase, "SIGKILL", [0], 5)
+  again = Controller(tiny_config(tmp_path, **over), progress=False)
+  assert again.topo.assignment.trainer == (1, 2) and again.topo.assignment.sampler == (3,)
+  out = again.run()
+  assert [r["step"] for r in again.metrics.history] == list(range(6))
+  assert out["steps"] == 6 and out["params_sha256"] == reference["params_sha256"]
+  assert not [e for e in _events(again) if e["event"] == "recovered"]  # the restart needed no recovery
+
+
+def test_sigterm_during_a_sampler_recovery_checkpoints_the_current_step(tmp_path, reference, monkeypatch):
+  # Slice 2 is lost at step 2, found at the push after it; step 3 is not a periodic checkpoint step.
+  over = dict(DET, **{"faults.lose_slice_at": "2:2", "faults.kill_in_recovery": "push:term"})
+  first = Controller(tiny_config(tmp_path, **over), progress=False)
+  out = first.run()
+  # The recovery finished, then the preemption notice stopped the loop with a checkpoint of step 3.
+  assert out["preempted"] and out["steps"] == 3 and first.run_state.ckpt.all_steps()[-1] == 3
+  again = Controller(tiny_config(tmp_path, **over), progress=False)
+  assert again.topo.assignment.sampler == (3,)
+  out = again.run()
+  assert out["steps"] == 6 and out["params_sha256"] == reference["params_sha256"]
+
+
+def test_kill_in_recovery_is_validated(tmp_path):
+  with pytest.raises(ValueError, match="faults.kill_in_recovery.*'rebuild'"):
+    Controller(tiny_config(tmp_path, **{"faults.kill_in_recovery": "rebuild"}), progress=False)
