@@ -66,8 +66,12 @@ def _resumed_step(logfile):
 
 
 def _corrupt_newest(workdir):
+  """Truncates the largest file of the newest finalized checkpoint → its step (None: none finalized yet)."""
   ck = os.path.join(workdir, "checkpoints")
-  step = max(int(d) for d in os.listdir(ck) if d.isdigit())
+  steps = [int(d) for d in os.listdir(ck) if d.isdigit()] if os.path.isdir(ck) else []
+  if not steps:  # under load the first async save may still be a tmp directory when the process dies
+    return None
+  step = max(steps)
   files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(ck, str(step), "state")) for f in fs]
   victim = max(files, key=os.path.getsize)
   with open(victim, "r+b") as f:
@@ -137,7 +141,8 @@ def main(argv):
   plan.insert(len(plan) // 2, "term")
   free = [s for s in range(1, n - 3) if abs(s - lose_s) > 1 and abs(s - lose_t) > 1]
   targets = sorted(rng.sample(free, len(plan)))
-  corrupt_after = 1  # truncate the newest checkpoint after the second interruption
+  corrupt_after = 1  # truncate the newest checkpoint after the second interruption (or the first SIGKILL after it
+  corrupted = False  # that finds a finalized checkpoint)
   table, logs, waiting = [], [], []  # rows waiting for the log of the process that resumes after them
 
   def launch():
@@ -177,8 +182,12 @@ def main(argv):
     row = {"kind": "sigkill" if kind == "kill" else "sigterm", "step": done, "t": t_fault}
     table.append(row)
     waiting.append(row)
-    if i == corrupt_after:
-      table.append({"kind": "corrupt_checkpoint", "step": _corrupt_newest(run_dir), "t": time.time()})
+    # Not after the SIGTERM: its row checks that the checkpoint it wrote holds every finished step.
+    if kind == "kill" and i >= corrupt_after and not corrupted:
+      step = _corrupt_newest(run_dir)
+      if step is not None:
+        table.append({"kind": "corrupt_checkpoint", "step": step, "t": time.time()})
+        corrupted = True
   while True:
     kills = len(_events(run_dir, "killed"))
     proc = launch()
