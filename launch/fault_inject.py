@@ -25,6 +25,7 @@ import time
 
 from absl import app, flags
 
+from launch._fault_rows import events as _events, metric_rows as _rows, slice_rows
 from launch.flags_util import define_workdir, parse_or_exit
 from rlax.config import RECOVERY_PHASES
 
@@ -44,14 +45,6 @@ def _cmd(workdir, extra=()):
           f"{c}workdir={workdir}", f"{c}controller.steps={STEPS.value}", f"{c}deterministic=True",
           f"{c}controller.max_staleness=1", f"{c}checkpoint.every_steps={EVERY.value}", f"{c}checkpoint.keep=3",
           f"{c}init.sft_steps=5", f"{c}data.n_eval=16", f"{c}eval.n_samples=2", *extra]
-
-
-def _rows(workdir):
-  path = os.path.join(workdir, "logs", "metrics.jsonl")
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(x) for x in f if x.strip()]
 
 
 def _start(workdir, extra, n):
@@ -77,50 +70,6 @@ def _corrupt_newest(workdir):
   with open(victim, "r+b") as f:
     f.truncate(os.path.getsize(victim) // 2)
   return step
-
-
-def _events(workdir, kind=None):
-  path = os.path.join(workdir, "failover.jsonl")
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    events = [json.loads(x) for x in f if x.strip()]
-  return [e for e in events if kind is None or e["event"] == kind]
-
-
-def _slice_rows(run_dir, resumed_of_pid):
-  """A row per injected slice fault: recovered in-process, or carried across a restart, or lost (the truth)."""
-  events, rows = _events(run_dir), []
-  metric_times = sorted(r["time"] for r in _rows(run_dir))
-  for i, e in enumerate(events):
-    if e["event"] != "injected":
-      continue
-    sl, gone = e["slice"], e["kind"] == "lose"
-    name = f"slice_{'loss' if gone else 'return'} [{sl}]"
-    handled = None
-    for later in events[i + 1:]:
-      if later["event"] == "recovered" and sl in later["lost" if gone else "returned"]:
-        handled = later
-        break
-      if later["event"] == "restart" and (sl in later["missing"]) == gone:
-        handled = later
-        break
-    if handled is None:
-      rows.append({"kind": f"{name} (injected, never recovered)", "step": e["step"], "lost": 0,
-                   "recovery_s": float("nan"), "survived": False})
-    elif handled["event"] == "recovered":
-      rows.append({"kind": f"{name} (trainer {handled['trainer']}, sampler {handled['sampler']})",
-                   "step": e["step"], "lost": handled["steps_lost"], "recovery_s": handled["recovery_s"],
-                   "survived": True})
-    else:  # the process died inside the recovery; the next one started without the slice
-      kills = [k for k in events[i + 1:events.index(handled)] if k["event"] == "killed"]
-      how = f"killed in phase {kills[-1]['phase']}" if kills else "process killed"
-      later = [t for t in metric_times if t > handled["time"]]
-      rows.append({"kind": f"{name} (recovery interrupted: {how}; restarted with trainer {handled['trainer']}, "
-                           f"sampler {handled['sampler']})",
-                   "step": e["step"], "lost": e["step"] - resumed_of_pid[handled["pid"]],
-                   "recovery_s": (later[0] if later else handled["time"]) - e["time"], "survived": True})
-  return rows
 
 
 def main(argv):
@@ -207,7 +156,7 @@ def main(argv):
     # Kill → the first step trained by the next process (or its summary, if no step was left to train).
     done_at = min(later) if later else os.path.getmtime(os.path.join(run_dir, "summary.json"))
     row["recovery_s"] = done_at - row["t"]
-  table += _slice_rows(run_dir, {p.pid: _resumed_step(log) for p, log in logs})
+  table += slice_rows(run_dir, {p.pid: _resumed_step(log) for p, log in logs})
   width = max(52, *(len(r["kind"]) for r in table))
   print(f"{'fault':{width}s} {'step':>5s} {'lost':>5s} {'recovery_s':>10s} survived")
   for r in table:

@@ -2,7 +2,7 @@
 
 import json
 
-from launch import fault_inject
+from launch import _fault_rows
 
 
 def _write(workdir, events, metric_times):
@@ -25,7 +25,7 @@ def test_slice_rows_tell_recovered_interrupted_and_lost_faults_apart(tmp_path):
       inj(3, 20, 300.0),  # injected, then nothing: the harness must not call it survived
   ]
   _write(tmp_path, events, [90.0, 112.5, 205.0])
-  rows = fault_inject._slice_rows(str(tmp_path), {12: 6})
+  rows = _fault_rows.slice_rows(str(tmp_path), {12: 6})
   assert [r["survived"] for r in rows] == [True, True, False]
   interrupted, recovered, lost = rows
   assert "recovery interrupted: killed in phase build" in interrupted["kind"]
