@@ -131,6 +131,13 @@ def main(argv):
     row = {"kind": "sigkill" if kind == "kill" else "sigterm", "step": done, "t": t_fault}
     table.append(row)
     waiting.append(row)
+    overtaken = _events(run_dir, "killed")[kills:]
+    if overtaken:  # a slice-loss recovery SIGKILLed the process before (or while) the signal took effect
+      e = overtaken[-1]
+      row["kind"] += " (overtaken by the sigkill in recovery)"
+      extra = {"kind": f"sigkill in recovery ({e['phase']})", "step": e["step"], "t": e["time"]}
+      table.append(extra)
+      waiting.append(extra)
     # Not after the SIGTERM: its row checks that the checkpoint it wrote holds every finished step.
     if kind == "kill" and i >= corrupt_after and not corrupted:
       step = _corrupt_newest(run_dir)
