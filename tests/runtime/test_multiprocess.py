@@ -35,6 +35,11 @@ def _steps_done(workdir):
     return 0
 
 
+def _checkpoints(workdir):
+  d = os.path.join(workdir, "checkpoints")
+  return [x for x in os.listdir(d) if x.isdigit()] if os.path.isdir(d) else []
+
+
 @pytest.mark.parametrize("victim", [0, 1])
 def test_two_process_run_survives_a_kill_and_equals_one_process(tmp_path, reference, victim):
   workdir = tmp_path / "run"
@@ -46,7 +51,9 @@ def test_two_process_run_survives_a_kill_and_equals_one_process(tmp_path, refere
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each process sets its own 4 devices
   job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
-  while _steps_done(workdir) < 3 and job.poll() is None and time.time() < deadline:
+  # Kill once a checkpoint is finalized (an async save still in flight would leave nothing to resume from).
+  while ((_steps_done(workdir) < 3 or not _checkpoints(workdir)) and job.poll() is None
+         and time.time() < deadline):
     time.sleep(0.1)
   assert job.poll() is None, job.communicate()[1][-3000:]
   os.kill(json.loads((tmp_path / "pids.json").read_text())["pids"][victim], signal.SIGKILL)
