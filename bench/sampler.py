@@ -149,8 +149,8 @@ def main_w4(params, cfg, prompts, S, jax, using_tcmalloc):
   edges = np.linspace(0, marks[-1][0], 11)
   done_at = np.interp(edges, [m[0] for m in marks], [m[1] for m in marks])
   over_time = [round(float(x), 1) for x in np.diff(done_at) / np.diff(edges)]
-  result = dict(tokens_per_s_over_time=over_time, workload="w4", tokens_per_s=useful / total, total_s=total, static_tokens_per_s=useful / static_total,
-                static_s=static_total, static_ratio=static_total / total, slot_utilization=tm["slot_utilization"],
+  result = dict(workload="w4", tokens_per_s=useful / total, total_s=total, tokens_per_s_over_time=over_time,
+                static_tokens_per_s=useful / static_total, static_s=static_total, static_ratio=static_total / total, slot_utilization=tm["slot_utilization"],
                 slots=FLAGS.slots, decode_chunk=FLAGS.chunk, requests=rows, useful_tokens=useful,
                 limit_p50=int(np.median(limits)), limit_max=n_new, compiles=dict(cont.trace_counts),
                 jax=jax.__version__, tcmalloc=using_tcmalloc())

@@ -25,7 +25,7 @@ import time
 
 from absl import app, flags
 
-from launch._fault_rows import events as _events, metric_rows as _rows, slice_rows
+from launch._fault_rows import events, metric_rows, slice_rows
 from launch.flags_util import define_workdir, parse_or_exit
 from rlax.config import RECOVERY_PHASES
 
@@ -102,21 +102,29 @@ def main(argv):
     waiting.clear()
     return proc
 
-  def died_in_recovery(proc, kills_before):
-    """A process that ended early must have been SIGKILLed by its own recovery fault: record it."""
-    killed = _events(run_dir, "killed")[kills_before:]
-    if proc.returncode != -signal.SIGKILL or not killed:
-      raise SystemExit(f"faulted run exited early (rc {proc.returncode}); see {logs[-1][1]}")
-    e = killed[-1]
-    row = {"kind": f"sigkill in recovery ({e['phase']})", "step": e["step"], "t": e["time"]}
+  def add_row(row):
     table.append(row)
     waiting.append(row)
 
+  def recovery_kill(kills_before):
+    """The deliberate SIGKILL a recovery sent to its process since `kills_before` kills, as a row (or None)."""
+    killed = events(run_dir, "killed")[kills_before:]
+    if not killed:
+      return None
+    e = killed[-1]
+    add_row({"kind": f"sigkill in recovery ({e['phase']})", "step": e["step"], "t": e["time"]})
+    return e
+
+  def died_in_recovery(proc, kills_before):
+    """A process that ended early must have been SIGKILLed by its own recovery fault: record it."""
+    if proc.returncode != -signal.SIGKILL or recovery_kill(kills_before) is None:
+      raise SystemExit(f"faulted run exited early (rc {proc.returncode}); see {logs[-1][1]}")
+
   for i, (kind, target) in enumerate(zip(plan, targets)):
     while True:
-      base, kills = len(_rows(run_dir)), len(_events(run_dir, "killed"))  # this process's rows come after `base`
+      base, kills = len(metric_rows(run_dir)), len(events(run_dir, "killed"))  # this process's rows come after `base`
       proc = launch()
-      while proc.poll() is None and max((r["step"] for r in _rows(run_dir)[base:]), default=-1) < target:
+      while proc.poll() is None and max((r["step"] for r in metric_rows(run_dir)[base:]), default=-1) < target:
         time.sleep(0.05)
       if proc.poll() is None:
         time.sleep(rng.uniform(0.0, 0.5))  # somewhere inside the next step
@@ -126,18 +134,13 @@ def main(argv):
     proc.send_signal(signal.SIGKILL if kind == "kill" else signal.SIGTERM)
     proc.wait()  # a SIGTERM finishes its step and checkpoints first
     t_fault = time.time()
-    rows = _rows(run_dir)[base:]
+    rows = metric_rows(run_dir)[base:]
     done = rows[-1]["step"] + 1 if rows else _resumed_step(logs[-1][1])
     row = {"kind": "sigkill" if kind == "kill" else "sigterm", "step": done, "t": t_fault}
-    table.append(row)
-    waiting.append(row)
-    overtaken = _events(run_dir, "killed")[kills:]
-    if overtaken:  # a slice-loss recovery SIGKILLed the process before (or while) the signal took effect
-      e = overtaken[-1]
+    add_row(row)
+    # A slice-loss recovery may have SIGKILLed the process before (or while) the signal took effect.
+    if recovery_kill(kills) is not None:
       row["kind"] += " (overtaken by the sigkill in recovery)"
-      extra = {"kind": f"sigkill in recovery ({e['phase']})", "step": e["step"], "t": e["time"]}
-      table.append(extra)
-      waiting.append(extra)
     # Not after the SIGTERM: its row checks that the checkpoint it wrote holds every finished step.
     if kind == "kill" and i >= corrupt_after and not corrupted:
       step = _corrupt_newest(run_dir)
@@ -145,7 +148,7 @@ def main(argv):
         table.append({"kind": "corrupt_checkpoint", "step": step, "t": time.time()})
         corrupted = True
   while True:
-    kills = len(_events(run_dir, "killed"))
+    kills = len(events(run_dir, "killed"))
     proc = launch()
     if proc.wait() == 0:
       break
@@ -159,7 +162,7 @@ def main(argv):
     row["survived"] = row["kind"] != "corrupt_checkpoint" or "is unreadable" in open(log).read()
     if row["kind"] == "sigterm":
       row["survived"] = row["lost"] == 0  # the checkpoint at the stop holds every finished step
-    later = [r["time"] for r in _rows(run_dir) if r["time"] > row["t"]]
+    later = [r["time"] for r in metric_rows(run_dir) if r["time"] > row["t"]]
     # Kill → the first step trained by the next process (or its summary, if no step was left to train).
     done_at = min(later) if later else os.path.getmtime(os.path.join(run_dir, "summary.json"))
     row["recovery_s"] = done_at - row["t"]

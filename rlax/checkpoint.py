@@ -91,6 +91,11 @@ class Checkpointer:
     self._last_time = time.time()
     self._last_step = self._mgr.latest_step()
 
+  @property
+  def last_step(self) -> int | None:
+    """The newest step saved (possibly still being written) or found on disk; None before any."""
+    return self._last_step
+
   def all_steps(self) -> list[int]:
     """Finalized steps on disk, ascending (temporary directories of unfinished saves excluded)."""
     return sorted(self._mgr.all_steps())

@@ -103,7 +103,6 @@ class Controller:
     self.final_state = None
     self.ref_params = None
     self._data_after: dict = {}  # data position after the newest trained batch
-    self._saved: Optional[int] = None  # step of the newest checkpoint written or restored
 
   # -- the parts this process holds (read-only views) ----------------------------------------------------------
   @property
@@ -172,7 +171,6 @@ class Controller:
       return
     n = self.run_state.pending_needed(s)
     pending = queue.peek(n) if n else []
-    self._saved = s
     self.run_state.save(s, state, pending=pending, data_state=pending[-1].data_state if pending else self._data_after,
                         version=self.weights.pushed, history=self.metrics.history, eval_before=before,
                         ref_params=self.ref_params)
@@ -239,7 +237,7 @@ class Controller:
         self._save(s, state, queue, before, force=self.preemption.requested or s == steps)
         if run.checkpoint.export_every and s % run.checkpoint.export_every == 0 and s < steps:
           self._export(state.params, os.path.join(self.workdir, "exports", str(s)))
-      if self.preemption.requested and s < steps and self._saved != s:
+      if self.preemption.requested and s < steps and self.run_state.ckpt.last_step != s:
         # The notice came between a step's save check and the loop test, or during a recovery.
         self._save(s, state, queue, before, force=True)
     except failover.TopologyChange as e:
@@ -270,7 +268,6 @@ class Controller:
       start, state, pending, before = resume.step, resume.state, resume.pending, resume.eval_before
       # The reference is the policy RL started from, never the resumed one.
       ref_params = (resume.ref_params if self.run_state.with_ref else initial) if kl else None
-      self._saved = start
       self.metrics.history[:] = resume.history
       self._data_after = resume.data_state
       if self.data is not None:
@@ -296,7 +293,6 @@ class Controller:
       if rec.history is not None:  # the trainer restored the newest checkpoint
         self.metrics.history[:] = rec.history
         self._data_after = rec.data_state
-        self._saved = s
       self.data.set_state(rec.data_state)
     self.run_state.wait()
     finished = s == steps

@@ -82,15 +82,7 @@ def _record(st: SlotState, live, tok, lp, version, eos_ids, stops, pad_id) -> Sl
   tokens = st.tokens.at[rows, at].set(tok, mode="drop")
   logprobs = st.logprobs.at[rows, at].set(lp.astype(jnp.float32), mode="drop")
   versions = st.versions.at[rows, at].set(jnp.broadcast_to(version, (S,)).astype(jnp.int32), mode="drop")
-  is_eos = jnp.zeros_like(live)
-  for e in eos_ids:
-    is_eos |= tok == e
-  is_stop = jnp.zeros_like(live)
-  for seq in stops:
-    m = len(seq)
-    idx = jnp.clip(t[:, None] - m + 1 + jnp.arange(m)[None], 0, N - 1)
-    window = jnp.take_along_axis(tokens, idx, axis=1)
-    is_stop |= (t + 1 >= m) & jnp.all(window == jnp.asarray(seq, jnp.int32)[None], axis=1)
+  is_eos, is_stop = loop.ends(tok, tokens, t, eos_ids, stops)
   finished = live & (is_eos | is_stop | (t + 1 >= st.limit))
   reason = jnp.where(live & is_eos, loop.EOS, jnp.where(live & is_stop, loop.STOP, st.reason))
   return st.replace(tokens=tokens, logprobs=logprobs, versions=versions, done=st.done | finished,
@@ -111,13 +103,7 @@ def _attend(q, pk, pv, gks, gvs, prompt_valid, g, starts):
     scores.append(jnp.where(ok[:, None, None, :], sg, layers.NEG))
   p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(pv.dtype)
   P = sp.shape[-1]
-  out = jnp.sum(p[..., :P, None] * pv[:, :, None], axis=3)
-  off = P
-  for gv in gvs:
-    n = gv.shape[2]
-    out = out + jnp.sum(p[..., off:off + n, None] * gv[:, :, None], axis=3)
-    off += n
-  return out
+  return decode.add_segment_values(jnp.sum(p[..., :P, None] * pv[:, :, None], axis=3), p, gvs, P)
 
 
 def _decode_step(fused, cfg: models.ModelConfig, st: SlotState, live, n_seg: int):
@@ -173,18 +159,12 @@ def decode_steps(params, cfg: models.ModelConfig, st: SlotState, version, n_step
     def body(st, i=i):
       live = ~st.done
       logits, st = _decode_step(fused, cfg, st, live, i + 1)
-      tok, lp = strategy.sample(logits, _uniform(st.keys, st.t))
+      tok, lp = strategy.sample(logits, loop.uniforms(st.keys, st.t))
       st = _record(st, live, tok, lp, version, eos_ids, stops, pad_id)
       return st.replace(work=st.work + jnp.sum(live).astype(jnp.int32), steps=st.steps + 1)
 
     st = jax.lax.while_loop(cond, body, st)
   return st
-
-
-def _uniform(keys, t):
-  """One uniform in (0, 1] per row for its token t (t per row)."""
-  u = jax.vmap(lambda k, tt: jax.random.uniform(jax.random.fold_in(k, tt), ()))(keys, t)
-  return 1.0 - u
 
 
 def prefill(params, cfg: models.ModelConfig, prompt, prompt_mask):
@@ -220,7 +200,7 @@ def admit(st: SlotState, k, v, logits, prompt, prompt_mask, slot_ids, which, key
   # Token 0 of the admitted rows, from their prompt's prefill logits.
   fresh = jnp.zeros((S,), bool).at[sid].set(True, mode="drop")
   row_logits = jnp.zeros((S, logits.shape[-1]), logits.dtype).at[sid].set(logits[which], mode="drop")
-  tok, lp = strategy.sample(row_logits, _uniform(new.keys, new.t))
+  tok, lp = strategy.sample(row_logits, loop.uniforms(new.keys, new.t))
   return _record(new, fresh, tok, lp, version, eos_ids, stops, pad_id)
 
 
@@ -269,21 +249,21 @@ class ContinuousSampler:
     self.trace_counts = collections.Counter()
     self.last_timings: dict = {}
     statics = dict(eos_ids=self.eos_ids, stops=self.stops, pad_id=pad_id)
-    self._prefill = jax.jit(self._traced("prefill", prefill))
+    with_cfg = lambda fn: lambda params, *rest, **kw: fn(params, cfg, *rest, **kw)
+    self._prefill = jax.jit(self._traced("prefill", with_cfg(prefill)))
     self._admit = jax.jit(self._traced("admit", admit, **statics), static_argnames=("strategy",),
                           donate_argnums=(0,))
-    self._chunk = jax.jit(self._traced("decode", decode_steps, **statics), static_argnames=("strategy",),
-                          donate_argnums=(1,))
-    self._recompute = jax.jit(self._traced("recompute", recompute), donate_argnums=(1,))
+    self._chunk = jax.jit(self._traced("decode", with_cfg(decode_steps), **statics),
+                          static_argnames=("strategy",), donate_argnums=(1,))
+    self._recompute = jax.jit(self._traced("recompute", with_cfg(recompute)), donate_argnums=(1,))
     if params is not None:
       self.update_weights(params, version)
 
   def _traced(self, name, fn, **statics):
+    """fn(*args, **statics, **kw), counting traces (i.e. compiles) in trace_counts[name]."""
     def call(*args, **kw):
       self.trace_counts[name] += 1  # runs at trace time only
-      if name in ("admit",):
-        return fn(*args, **statics, **kw)
-      return fn(args[0], self.cfg, *args[1:], **statics, **kw)
+      return fn(*args, **statics, **kw)
     return call
 
   def update_weights(self, params: models.Params, version: int) -> None:

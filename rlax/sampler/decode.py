@@ -134,7 +134,11 @@ def _attend(q, pk, pv, gks, gvs, prompt_valid, last):
   P = sp.shape[-1]
   pp = p[..., :P].reshape(Pb, G, K, Gh, P)
   out = jnp.sum(pp[..., None] * pv[:, None, :, None], axis=4).reshape(B, K, Gh, Dh)
-  off = P
+  return add_segment_values(out, p, gvs, P)
+
+
+def add_segment_values(out, p, gvs, off: int):
+  """out [B, K, Gh, Dh] + the generated segments' values gvs weighted by p[..., off:] (segment after segment)."""
   for gv in gvs:
     n = gv.shape[2]
     out = out + jnp.sum(p[..., off:off + n, None] * gv[:, :, None], axis=3)

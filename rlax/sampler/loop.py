@@ -51,10 +51,24 @@ def row_keys(seed, step, prompt_ids, sample_ids):
   return jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(base, p), s))(prompt_ids, sample_ids)
 
 
-def _uniform(keys, t):
-  """One uniform in (0, 1] per row for token t."""
-  u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, t), ()))(keys)
+def uniforms(keys, t):
+  """One uniform in (0, 1] per row for its token t (a scalar, or one index per row)."""
+  u = jax.vmap(lambda k, tt: jax.random.uniform(jax.random.fold_in(k, tt), ()))(keys, jnp.broadcast_to(t, keys.shape))
   return 1.0 - u
+
+
+def ends(tok, tokens, t, eos_ids: Sequence[int], stops: Sequence[Sequence[int]]):
+  """(is_eos, is_stop) per row for `tok`, just written at index t (a scalar or one per row) of tokens [B, N]."""
+  is_eos = jnp.zeros(tok.shape, bool)
+  for e in eos_ids:
+    is_eos |= tok == e
+  is_stop = jnp.zeros(tok.shape, bool)
+  for seq in stops:
+    m = len(seq)
+    idx = jnp.clip(jnp.reshape(t, (-1, 1)) - m + 1 + jnp.arange(m)[None], 0, tokens.shape[1] - 1)
+    window = jnp.take_along_axis(tokens, jnp.broadcast_to(idx, (tokens.shape[0], m)), axis=1)
+    is_stop |= (t + 1 >= m) & jnp.all(window == jnp.asarray(seq, jnp.int32)[None], axis=1)
+  return is_eos, is_stop
 
 
 def _record(st: DecodeState, tok, lp, version, eos_ids: Sequence[int], stops: Sequence[Sequence[int]],
@@ -67,14 +81,7 @@ def _record(st: DecodeState, tok, lp, version, eos_ids: Sequence[int], stops: Se
   logprobs = jax.lax.dynamic_update_slice(st.logprobs, jnp.where(live, lp, 0.0)[:, None], (0, t))
   ver = jnp.where(live, version, -1).astype(jnp.int32)
   versions = jax.lax.dynamic_update_slice(st.versions, ver[:, None], (0, t))
-  is_eos = jnp.zeros_like(live)
-  for e in eos_ids:
-    is_eos |= tok == e
-  is_stop = jnp.zeros_like(live)
-  for seq in stops:
-    m = len(seq)
-    window = jax.lax.dynamic_slice_in_dim(tokens, jnp.maximum(t - m + 1, 0), m, axis=1)
-    is_stop |= (t + 1 >= m) & jnp.all(window == jnp.asarray(seq, jnp.int32)[None], axis=1)
+  is_eos, is_stop = ends(tok, tokens, t, eos_ids, stops)
   finished = live & (is_eos | is_stop | (t + 1 >= n_new))
   reason = jnp.where(live & is_eos, EOS, jnp.where(live & is_stop, STOP, st.reason))
   return st.replace(tokens=tokens, logprobs=logprobs, versions=versions, done=st.done | finished,
@@ -100,7 +107,7 @@ def prefill(params, cfg: models.ModelConfig, prompt, prompt_mask, keys, version,
       done=~row_live, reason=jnp.full((B,), LENGTH, jnp.int32), lengths=jnp.zeros((B,), jnp.int32),
       n_prompt=rep(jnp.sum(prompt_mask, axis=1).astype(jnp.int32)), last=jnp.zeros((B,), jnp.int32),
       t=jnp.zeros((), jnp.int32), row_keys=keys)
-  tok, lp = strategy.sample(rep(logits), _uniform(keys, 0))
+  tok, lp = strategy.sample(rep(logits), uniforms(keys, 0))
   return _record(st, tok, lp, version, eos_ids, stops, n_new, pad_id)
 
 
@@ -120,7 +127,7 @@ def decode_chunk(params, cfg: models.ModelConfig, st: DecodeState, version, t_en
 
     def body(st, i=i):
       logits, cache = decode.decode_step(fused, cfg, st.cache, st.last, st.n_prompt + st.t - 1, st.t - 1, i)
-      tok, lp = strategy.sample(logits, _uniform(st.row_keys, st.t))
+      tok, lp = strategy.sample(logits, uniforms(st.row_keys, st.t))
       return _record(st.replace(cache=cache), tok, lp, version, eos_ids, stops, n_new, pad_id)
 
     st = jax.lax.while_loop(cond, body, st)

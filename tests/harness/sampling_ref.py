@@ -50,3 +50,15 @@ def reference(params_at, prompts, n_new, strategy, *, seed=0, step=0, prompt_ids
     for s, x in zip(seqs, np.asarray(tok)):
       s.append(int(x))
   return toks, lps
+
+
+def assert_matches_reference(out, strategy, *, n_new=8, seed=3, step=7, G=2):
+  """`out` (PROMPTS x G samples, full length) equals the reference: tokens, log-probs, lengths, ids, versions."""
+  from rlax import sampler as S  # pylint: disable=g-import-not-at-top
+  ref_tok, ref_lp = reference(lambda t: P0, PROMPTS, n_new, strategy, seed=seed, step=step, G=G)
+  np.testing.assert_array_equal(np.asarray(out.tokens), ref_tok)
+  np.testing.assert_allclose(np.asarray(out.logprobs), ref_lp, atol=1e-5)
+  assert np.all(np.asarray(out.lengths) == n_new) and np.all(np.asarray(out.finish_reason) == S.LENGTH)
+  assert np.all(np.asarray(out.versions) == 0)
+  assert np.asarray(out.prompt_ids).tolist() == [i for i in range(len(PROMPTS)) for _ in range(G)]
+  assert np.asarray(out.sample_ids).tolist() == list(range(G)) * len(PROMPTS)

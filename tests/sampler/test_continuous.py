@@ -7,7 +7,7 @@ import pytest
 from rlax import models as M
 from rlax import sampler as S
 
-from harness.sampling_ref import CFG, P0, P1, PROMPTS, reference
+from harness.sampling_ref import CFG, P0, P1, PROMPTS, assert_matches_reference, reference
 
 
 def make(**kw):
@@ -25,13 +25,7 @@ def cs():
 def test_matches_full_forward_reference_with_more_requests_than_slots(cs, strategy):
   # 4 prompts x 2 samples on 4 slots: half the rows wait for a slot.
   out = cs.generate(PROMPTS, samples_per_prompt=2, strategy=strategy, seed=3, step=7)
-  ref_tok, ref_lp = reference(lambda t: P0, PROMPTS, 8, strategy, seed=3, step=7, G=2)
-  np.testing.assert_array_equal(np.asarray(out.tokens), ref_tok)
-  np.testing.assert_allclose(np.asarray(out.logprobs), ref_lp, atol=1e-5)
-  assert np.all(np.asarray(out.lengths) == 8) and np.all(np.asarray(out.finish_reason) == S.LENGTH)
-  assert np.all(np.asarray(out.versions) == 0)
-  assert np.asarray(out.prompt_ids).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
-  assert np.asarray(out.sample_ids).tolist() == [0, 1] * 4
+  assert_matches_reference(out, strategy)
 
 
 def test_per_request_limits_free_slots_for_queued_requests():
