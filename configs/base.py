@@ -44,6 +44,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       top_p=1.0,
       decode_chunk=0,            # >0: decode in chunks; weights may be swapped in between
       inflight_updates=False,
+      engine="continuous",       # decode slots refilled as rows finish; "static": one batch to its longest row
+      slots=0,                   # continuous: decode slots (0: the batch's rows)
+      stream_ahead=-1,           # continuous: prompts in flight for the next batch (-1: prompts_per_step)
+      on_swap="recompute",       # continuous: unfinished rows' KV cache under new weights, or "keep" it
   ))
 
   c.controller = ml_collections.ConfigDict(dict(

@@ -8,7 +8,7 @@ the transport that connects them. Failover rebuilds through the same function.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from rlax.models import hf
 from rlax.models.hf_tokenizer import Tokenizer
 from rlax.multihost import Channel, local_roles
 from rlax.rollout import packing
-from rlax.sampler import Sampler
+from rlax.sampler import ContinuousSampler, Sampler
 from rlax.sampler.strategies import SamplingMethod
 from rlax.topology import Topology
 from rlax.trainer import OptimizerConfig, Trainer
@@ -120,9 +120,13 @@ def sft_trainer(run: RunConfig, mesh) -> Trainer:
   return Trainer(run.model, run.algorithm, OptimizerConfig(lr=run.init.sft_lr, warmup_steps=10), mesh, group_size=1)
 
 
-def sampler(run: RunConfig, mesh, tok: Tokenizer) -> Sampler:
-  """Stops on every eos token of the tokenizer (chat models end a turn with several)."""
+def sampler(run: RunConfig, mesh, tok: Tokenizer) -> Union[ContinuousSampler, Sampler]:
+  """The rollout.engine; stops on every eos token of the tokenizer (chat models end a turn with several)."""
   r = run.rollout
+  if r.engine == "continuous":
+    return ContinuousSampler(run.model, mesh, max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
+                             slots=r.decode_slots(run.eval.n_samples), eos_id=tok.eos_ids, pad_id=tok.pad_id,
+                             decode_chunk=r.decode_chunk or 16, on_swap=r.on_swap)
   return Sampler(run.model, mesh, max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
                  batch_size=max(r.rows, run.eval.n_samples * 16), eos_id=tok.eos_ids, pad_id=tok.pad_id,
                  decode_chunk=r.decode_chunk or None)
@@ -144,7 +148,7 @@ class Components:
   the tokenizer the sampler stops with."""
   topology: Topology
   trainer: Optional[Trainer]
-  sampler: Optional[Sampler]
+  sampler: Optional[Union[ContinuousSampler, Sampler]]
   weights: WeightsService
   tokenizer: Tokenizer
 

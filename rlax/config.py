@@ -10,6 +10,7 @@ an unknown field in the ConfigDict is an error naming it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from typing import Any, Mapping, Optional
@@ -64,10 +65,25 @@ class RolloutConfig:
   top_p: float = 1.0
   decode_chunk: int = 0          # > 0: decode in chunks; weights may be swapped in between
   inflight_updates: bool = False
+  engine: str = "continuous"     # or "static" (one batch decoded until its longest row stops)
+  slots: int = 0                 # continuous: decode slots (0: the batch's rows, a multiple of both group sizes)
+  stream_ahead: int = -1         # continuous: prompts kept in flight for the next batch (-1: prompts_per_step)
+  on_swap: str = "recompute"     # continuous: unfinished rows' KV cache after new weights: "recompute" or "keep"
 
   @property
   def rows(self) -> int:
     return self.prompts_per_step * self.samples_per_prompt
+
+  @property
+  def ahead(self) -> int:
+    """Prompts the continuous engine keeps in flight for the next batch."""
+    return self.prompts_per_step if self.stream_ahead < 0 else self.stream_ahead
+
+  def decode_slots(self, eval_samples: int) -> int:
+    """The continuous engine's slots: `slots`, or the batch's rows rounded up to whole groups of both the
+    rollout's and the evaluation's group size."""
+    g = math.lcm(self.samples_per_prompt, eval_samples)
+    return self.slots or -(-self.rows // g) * g
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +188,7 @@ class PlanConfig:
   ici_gb_s: float = 300.0
   dcn_gb_s: float = 6.25
   sampler_batch: int = 8
+  programs: str = ""              # comma-separated program names to compile (rlax.planning.PROGRAMS); "" = all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,6 +374,13 @@ def validate(run: RunConfig) -> None:
       (r.max_prompt_len >= 1, f"rollout.max_prompt_len={r.max_prompt_len} must be >= 1"),
       (r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1"),
       (r.decode_chunk >= 0, f"rollout.decode_chunk={r.decode_chunk} must be >= 0"),
+      (r.engine in ("continuous", "static"), f"rollout.engine={r.engine!r} must be 'continuous' or 'static'"),
+      (r.slots >= 0, f"rollout.slots={r.slots} must be >= 0"),
+      (r.slots % math.lcm(r.samples_per_prompt, max(1, e.n_samples)) == 0,
+       f"rollout.slots={r.slots} must be a multiple of rollout.samples_per_prompt={r.samples_per_prompt} and "
+       f"eval.n_samples={e.n_samples} (whole groups share a prefill)"),
+      (r.stream_ahead >= -1, f"rollout.stream_ahead={r.stream_ahead} must be >= -1"),
+      (r.on_swap in ("recompute", "keep"), f"rollout.on_swap={r.on_swap!r} must be 'recompute' or 'keep'"),
       (r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0 for RL sampling"),
       (r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0"),
       (0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]"),

@@ -102,3 +102,13 @@ class GroupBuffer:
     groups, self._groups = self._groups[:self.target], self._groups[self.target:]
     rewards, self._rewards = self._rewards[:self.target], self._rewards[self.target:]
     return groups, np.stack(rewards)
+
+  def take_surplus(self) -> list[Any]:
+    """Removes and returns the informative groups buffered past a popped batch (oldest first)."""
+    groups, self._groups, self._rewards = self._groups, [], []
+    return groups
+
+  def take_spares(self) -> list[Any]:
+    """Removes and returns the tied groups kept aside."""
+    spares, self._spare = [g for g, _ in self._spare], []
+    return spares

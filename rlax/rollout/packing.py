@@ -14,7 +14,7 @@ import numpy as np
 
 from rlax.data.prompts import PromptRenderer
 from rlax.data.records import Record
-from rlax.sampler import SampleOutput, strategies
+from rlax.sampler import ContinuousSampler, SampleOutput, strategies
 from rlax.trainer.batch import RolloutBatch, response_loss_mask
 
 
@@ -94,7 +94,8 @@ def text_generate_fn(sampler, render: PromptRenderer, method: strategies.Samplin
   calls = [0]
 
   def generate(records: Sequence[Record], n: int) -> list[list[str]]:
-    per_call = max(1, sampler.batch_size // n)
+    # The continuous engine queues any number of prompts; the static one decodes a batch of at most batch_size.
+    per_call = max(1, len(records)) if isinstance(sampler, ContinuousSampler) else max(1, sampler.batch_size // n)
     texts: list[str] = []
     for lo in range(0, len(records), per_call):
       ids = render.encode_all(records[lo:lo + per_call])

@@ -10,6 +10,7 @@ Random keys derive from (seed, step, round, prompt) only, so a lost batch can be
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -21,9 +22,22 @@ from rlax.data.dynamic_sampling import GroupBuffer, informative_groups
 from rlax.rollout import packing
 from rlax.rollout import stats as rollout_stats
 from rlax.rollout.queue import Closed, Rollout
+from rlax.sampler import concat_outputs
 from rlax.topology import SliceLostError
 
 MAX_ROUNDS = 4  # dynamic sampling: the most sampling rounds spent filling one batch
+
+
+@dataclasses.dataclass(frozen=True)
+class _Done:
+  """A finished, graded prompt group on the stream: draw number, record, host output [G rows], rewards
+  [G], oldest weight version among its tokens."""
+  seq: int
+  record: Any
+  out: Any
+  rewards: np.ndarray
+  oldest: int
+
 
 
 class RolloutProducer:
@@ -36,11 +50,11 @@ class RolloutProducer:
 
   def __init__(self, *, sampler, weights, data, render, reward_fn, grade, method, rollout, max_staleness: int,
                deterministic: bool, dynamic_sampling: bool, seed: int, sink: Callable[[Rollout], Any],
-               ensure_alive: Callable[[Any], None] = lambda mesh: None):
+               ensure_alive: Callable[[Any], None] = lambda mesh: None, stale_policy: str = "drop"):
     self.sampler, self.weights, self.data, self.render = sampler, weights, data, render
     self.reward_fn, self.grade, self.method, self.r = reward_fn, grade, method, rollout
     self.k, self.deterministic, self.dynamic, self.seed = max_staleness, deterministic, dynamic_sampling, seed
-    self.sink, self.ensure_alive = sink, ensure_alive
+    self.sink, self.ensure_alive, self.stale_policy = sink, ensure_alive, stale_policy
     self.error: Optional[BaseException] = None
     self._thread: Optional[threading.Thread] = None
     self._unsubscribe = None
@@ -105,20 +119,131 @@ class RolloutProducer:
     return batch, rows, {"gen_s": t_gen, "reward_s": t_rew, "dyn_dropped_groups": float(buf.dropped),
                          "dyn_rounds": float(rnd + 1), "dyn_tied_in_batch": float(tied)}
 
+  # -- streaming groups (the continuous engine) ---------------------------------------------------------------
+  def streams(self) -> bool:
+    """Groups stream into batches when the engine is continuous and the run is not deterministic (a
+    deterministic batch is generated whole, by exactly version s - k)."""
+    return hasattr(self.sampler, "stream") and not self.deterministic
+
+  def _draw(self, stream, s: int, n: int) -> int:
+    """Submits up to n more prompts, each remembering the data position before it; returns how many."""
+    for i in range(n):
+      before = self.data.get_state()
+      records = self.data.next_batch(1)
+      if not records:
+        return i
+      seq, self._seq = self._seq, self._seq + 1
+      self._drawn[seq] = before
+      stream.submit(self.render.encode_all(records), samples_per_prompt=self.r.samples_per_prompt, seed=self.seed,
+                    step=s, prompt_ids=[seq], tags=[(seq, records[0])])
+    return n
+
+  def _resume_state(self) -> dict:
+    """Where a restart resumes the data: before the oldest prompt not yet in a sunk batch (its group is then
+    generated again, never lost), or the current position when none is in flight."""
+    return self._drawn[min(self._drawn)] if self._drawn else self.data.get_state()
+
+  def _graded(self, finished) -> list[_Done]:
+    if not finished:
+      return []
+    G = self.r.samples_per_prompt
+    out = concat_outputs([f.out for f in finished])
+    graded = self.grade(self.reward_fn, packing.completions(self.render.tokenizer, out),
+                        [f.tag[1] for f in finished for _ in range(G)])
+    rewards = np.array([g[0] for g in graded], np.float32).reshape(len(finished), G)
+    return [_Done(f.tag[0], f.tag[1], f.out, rewards[i], int(np.min(f.out.versions[:, 0])))
+            for i, f in enumerate(finished)]
+
+  def _stream_batch(self, stream, s: int) -> tuple[Any, tuple[np.ndarray, ...], dict]:
+    """Batch s from prompt groups in the order they finish.
+
+    A group serves batch s when its oldest token is at most k versions older than s. With
+    stale_policy="drop" an older one is dropped, and a decoding one is stopped as soon as it can no longer
+    serve (its prompt was consumed; both counted in `stale_groups_dropped`); "importance_weight" keeps them
+    for the trainer's per-token correction. Prompts stay in flight for the
+    rest of this batch plus `rollout.stream_ahead` more when the sampler's weights can serve batch s + 1,
+    so slots freed by short rows start the next batch's prompts. Dynamic sampling sets tied groups aside
+    and draws replacements, up to MAX_ROUNDS x P prompts per batch (then tied groups fill the rest).
+    """
+    P = self.r.prompts_per_step
+    buf = GroupBuffer(P) if self.dynamic else None
+    ready: list[_Done] = []
+    done, self._carry = self._carry, []
+    drawn = stale = 0
+    t_gen = t_rew = 0.0
+    dropping = self.stale_policy == "drop"  # else stale groups are kept and importance-weighted
+    while True:
+      if dropping:
+        for seq, _ in stream.cancel_older(s - self.k):  # can no longer serve any batch: free their slots
+          stale += 1
+          del self._drawn[seq]
+        for g in [g for g in done if g.oldest < s - self.k]:
+          stale += 1
+          del self._drawn[g.seq]
+        done = [g for g in done if g.oldest >= s - self.k]
+      if buf is not None and done:
+        buf.add(done, np.stack([g.rewards for g in done]))
+      elif buf is None:
+        ready += done
+      have = P - buf.needed() if buf is not None else len(ready)
+      if have >= P or (buf is not None and drawn >= MAX_ROUNDS * P and not stream.pending):
+        break
+      # In flight: what this batch still needs plus the next batch's share when the weights can serve it;
+      # at least one new prompt per group still needed beyond those queued, so slots freed by short rows
+      # never idle behind a long one.
+      ahead = self.r.ahead if (self.sampler.version or 0) >= s + 1 - self.k else 0
+      want = max(P - have + ahead - stream.pending, P - have - stream.queued)
+      if buf is not None:
+        want = min(want, MAX_ROUNDS * P - drawn)
+      drawn += self._draw(stream, s, want)
+      if not stream.pending:
+        raise RuntimeError(f"the prompt stream ended before batch {s} was full ({have} of {P} groups)")
+      t0 = time.perf_counter()
+      self.ensure_alive(self.sampler.mesh)
+      finished = stream.step()
+      t1 = time.perf_counter()
+      done = self._graded(finished)
+      t_gen, t_rew = t_gen + t1 - t0, t_rew + time.perf_counter() - t1
+    stats = {"gen_s": t_gen, "reward_s": t_rew, "stale_groups_dropped": float(stale),
+             "slot_utilization": stream.timings()["slot_utilization"]}
+    if buf is not None:
+      groups, rewards = buf.pop_batch(fill=True)
+      self._carry = buf.take_surplus()  # informative groups past this batch serve the next one
+      for g in buf.take_spares():       # tied groups not needed: dropped, as dynamic sampling does
+        del self._drawn[g.seq]
+      _, tied = informative_groups(rewards)
+      stats.update(dyn_dropped_groups=float(buf.dropped), dyn_rounds=float(-(-drawn // P)),
+                   dyn_tied_in_batch=float(tied))
+    else:
+      groups, self._carry = ready[:P], ready[P:]
+    for g in groups:
+      del self._drawn[g.seq]
+    out = concat_outputs([g.out for g in groups])
+    batch = packing.pack(out, np.concatenate([g.rewards for g in groups]), self.sampler.max_prompt_len)
+    G = self.r.samples_per_prompt
+    rows = (np.asarray(out.lengths), rollout_stats.truncated_from_finish_reason(out.finish_reason),
+            np.array([g.record.source for g in groups for _ in range(G)], dtype=object))
+    return batch, rows, stats
+
   # -- the loop --------------------------------------------------------------------------------------------
   def run(self, first: int, end: int) -> None:
     """Produces batches first..end-1 in this thread; returns at the end or when the weights close."""
+    stream = None
     for s in range(first, end):
       idle = self._weights_for(s)
+      if stream is None and self.streams():  # opened once weights are installed
+        stream = self.sampler.stream(self.method, on_chunk=self._inflight if self.r.inflight_updates else None)
+        self._drawn, self._seq, self._carry = {}, 0, []
       t0 = time.perf_counter()
-      batch, (lens, truncated, sources), stats = self.batch(s)
+      batch, (lens, truncated, sources), stats = self._stream_batch(stream, s) if stream else self.batch(s)
       rw = np.asarray(batch.rewards)
       stats.update(rollout_stats.rollout_stats(lens, truncated, rw, sources))
       stats.update(reward=float(rw.mean()), pass_rate=float((rw > 0.5).mean()), response_len=float(lens.mean()),
                    response_tokens=float(lens.sum()), sampler_idle_s=idle,
                    gen_tokens_per_s=float(lens.sum()) / max(stats["gen_s"], 1e-9),
                    rollout_s=time.perf_counter() - t0)
-      self.sink(Rollout(s, int(np.asarray(batch.versions).min()), batch, stats, self.data.get_state()))
+      data_state = self._resume_state() if stream else self.data.get_state()
+      self.sink(Rollout(s, int(np.asarray(batch.versions).min()), batch, stats, data_state))
 
   def start(self, first: int, end: int, on_error: Callable[[], None]) -> None:
     """Runs `run(first, end)` in a daemon thread; an error is kept in `.error` and `on_error()` is called."""

@@ -164,7 +164,8 @@ class Controller:
                            reward_fn=self.reward_fn, grade=self.pool.grade, method=builders.sampling_method(run),
                            rollout=run.rollout, max_staleness=run.controller.max_staleness,
                            deterministic=run.deterministic, dynamic_sampling=run.controller.dynamic_sampling,
-                           seed=run.seed, sink=sink, ensure_alive=self.faults.ensure_alive)
+                           seed=run.seed, sink=sink, ensure_alive=self.faults.ensure_alive,
+                           stale_policy=run.controller.stale_policy)
 
   def _save(self, s: int, state, queue: RolloutQueue, before: Optional[dict], force: bool) -> None:
     if not (force or self.run_state.should_save(s)):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import math
 import time
 from typing import Callable, Optional, Sequence, Union
@@ -40,7 +41,7 @@ from rlax import models
 from rlax.models import layers
 from rlax.models import sharding as shd
 from rlax.sampler import decode, loop
-from rlax.sampler.engine import SampleOutput, Sampler, _pow2_buckets
+from rlax.sampler.engine import SampleOutput, Sampler, _pow2_buckets, concat_outputs
 from rlax.sampler.strategies import SamplingMethod, Temperature
 
 
@@ -90,20 +91,57 @@ def _record(st: SlotState, live, tok, lp, version, eos_ids, stops, pad_id) -> Sl
                     last=jnp.where(live, tok, st.last))
 
 
-def _attend(q, pk, pv, gks, gvs, prompt_valid, g, starts):
-  """q [S, K, Gh, Dh] over the slot's prompt and generated segments; generated slots <= g[s] are valid."""
-  Dh = q.shape[-1]
-  f32 = jnp.float32
-  qf = q.astype(f32) / math.sqrt(Dh)
-  sp = jnp.sum(qf[..., None] * pk.astype(f32)[:, :, None], axis=3)  # [S, K, Gh, P]
-  scores = [jnp.where(prompt_valid[:, None, None, :], sp, layers.NEG)]
-  for gk, a in zip(gks, starts):
-    sg = jnp.sum(qf[..., None] * gk.astype(f32)[:, :, None], axis=3)  # [S, K, Gh, n_i]
-    ok = (a + jnp.arange(gk.shape[-1]))[None] <= g[:, None]
-    scores.append(jnp.where(ok[:, None, None, :], sg, layers.NEG))
-  p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(pv.dtype)
-  P = sp.shape[-1]
-  return decode.add_segment_values(jnp.sum(p[..., :P, None] * pv[:, :, None], axis=3), p, gvs, P)
+BLOCK = 8  # rows per block of the ragged attention over the later segments
+
+
+def _partial(qf, k, v, ok):
+  """Attention of qf [R, K, Gh, Dh] (scaled, f32) over k [R, K, Dh, n] / v [R, K, n, Dh] where ok [R, n],
+  unnormalized: (running max m [R, K, Gh], sum l [R, K, Gh], weighted values o [R, K, Gh, Dh]); a row with
+  nothing valid gives l = 0, o = 0."""
+  s = jnp.sum(qf[..., None] * k.astype(jnp.float32)[:, :, None], axis=3)  # [R, K, Gh, n]
+  ok = ok[:, None, None, :]
+  m = jnp.max(jnp.where(ok, s, layers.NEG), axis=-1)
+  p = jnp.where(ok, jnp.exp(s - m[..., None]), 0.0)
+  return m, jnp.sum(p, axis=-1), jnp.sum(p.astype(v.dtype)[..., None] * v[:, :, None], axis=3).astype(jnp.float32)
+
+
+def _merge(a, b):
+  """Two partial attentions of the same rows over disjoint keys → one (log-sum-exp rescaling)."""
+  m = jnp.maximum(a[0], b[0])
+  ca, cb = jnp.exp(a[0] - m), jnp.exp(b[0] - m)
+  return m, a[1] * ca + b[1] * cb, a[2] * ca[..., None] + b[2] * cb[..., None]
+
+
+def _attend(q, pk, pv, gks, gvs, prompt_valid, g, live, starts):
+  """q [S, K, Gh, Dh] over the slot's prompt and generated segments; generated slots <= g[s] are valid.
+
+  The prompt and the first segment are attended densely by every slot. A later segment is attended only
+  by the rows that have reached it: rows are taken furthest-first in blocks of BLOCK, for as many blocks
+  as needed (a while loop), so the cost follows the rows' own lengths, not the longest row's. With
+  long-tailed lengths most rows never leave the first segment.
+  """
+  S, K, Gh, Dh = q.shape
+  qf = q.astype(jnp.float32) / math.sqrt(Dh)
+  out = _partial(qf, pk, pv, prompt_valid)
+  out = _merge(out, _partial(qf, gks[0], gvs[0], (starts[0] + jnp.arange(gks[0].shape[-1]))[None] <= g[:, None]))
+  if len(gks) > 1:
+    blk = min(BLOCK, S)
+    order = jnp.argsort(jnp.where(live, -g, 1))  # furthest rows first; free slots last
+    order = jnp.concatenate([order, order[:(-S) % blk]])  # whole blocks
+    for gk, gv, a in zip(gks[1:], gvs[1:], starts[1:]):
+      n = jnp.sum(live & (g >= a))
+
+      def block(b, acc, gk=gk, gv=gv, a=a):
+        rows = jax.lax.dynamic_slice_in_dim(order, b * blk, blk)
+        ok = (a + jnp.arange(gk.shape[-1]))[None] <= g[rows][:, None]
+        part = _partial(qf[rows], gk[rows], gv[rows], ok)
+        return tuple(x.at[rows].set(y) for x, y in zip(acc, part))
+
+      init = (jnp.full((S, K, Gh), layers.NEG, jnp.float32), jnp.zeros((S, K, Gh), jnp.float32),
+              jnp.zeros((S, K, Gh, Dh), jnp.float32))
+      out = _merge(out, jax.lax.fori_loop(0, (n + blk - 1) // blk, block, init))
+  m, l, o = out
+  return o / jnp.maximum(l, 1e-30)[..., None]
 
 
 def _decode_step(fused, cfg: models.ModelConfig, st: SlotState, live, n_seg: int):
@@ -112,7 +150,7 @@ def _decode_step(fused, cfg: models.ModelConfig, st: SlotState, live, n_seg: int
   H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
   dt = cfg.jnp_dtype
   N = st.tokens.shape[1]
-  segs = decode.segments(N)
+  segs = decode.doubling_segments(N)
   starts = [a for a, _ in segs]
   g = st.t - 1
   pos = st.n_prompt + g
@@ -130,7 +168,7 @@ def _decode_step(fused, cfg: models.ModelConfig, st: SlotState, live, n_seg: int
         gks[l][i] = gks[l][i].at[rows, :, :, at].set(k, mode="drop")
         gvs[l][i] = gvs[l][i].at[rows, :, at, :].set(v, mode="drop")
       o = _attend(q.reshape(S, K, H // K, Dh), st.pk[l], st.pv[l], gks[l][:n_seg], gvs[l][:n_seg],
-                  st.prompt_valid, g, starts[:n_seg])
+                  st.prompt_valid, g, live, starts[:n_seg])
       return o.astype(dt).reshape(S, 1, H, Dh)
 
     x = layers.block(cfg, w, x, pos[:, None], inv_freq, attend)
@@ -147,7 +185,7 @@ def decode_steps(params, cfg: models.ModelConfig, st: SlotState, version, n_step
   segments 0..i, so short rows never pay for attention over slots nobody has reached.
   """
   fused = decode.fuse_params(params, cfg)
-  segs = decode.segments(st.tokens.shape[1])
+  segs = decode.doubling_segments(st.tokens.shape[1])
   end_step = st.steps + n_steps
   for i, (_, end) in enumerate(segs):
 
@@ -212,7 +250,7 @@ def recompute(params, cfg: models.ModelConfig, st: SlotState) -> SlotState:
   in_cache = jnp.arange(N)[None] < (st.t - 1)[:, None]  # the last token is fed by the next step
   mask = jnp.concatenate([st.prompt_valid, in_cache], axis=1)
   _, mc = models.hidden_states(params, cfg, seq, input_mask=mask, cache=models.init_cache(cfg, S, P + N))
-  new = decode.from_model_cache(mc, P, 1, N)
+  new = decode.from_model_cache(mc, P, 1, N, segs=decode.doubling_segments(N))
   return st.replace(pk=new.pk, pv=new.pv, gk=new.gk, gv=new.gv)
 
 
@@ -221,13 +259,14 @@ class ContinuousSampler:
 
   slots: rows decoded at once (a multiple of the largest samples_per_prompt used, and of the mesh's
   row shards). decode_chunk: decode steps between admissions (and weight swaps). on_swap: "recompute"
-  or "keep" (the unfinished rows' cache after a weight swap).
+  or "keep" (the unfinished rows' cache after a weight swap). shrink: once no request waits, decode the
+  running rows on fewer slots (`Stream._resize`).
   """
 
   def __init__(self, cfg: models.ModelConfig, mesh: Optional[Mesh] = None, *, max_prompt_len: int,
                max_new_tokens: int, slots: int, stop_sequences: Sequence[Sequence[int]] = (),
                eos_id: Union[int, Sequence[int], None] = None, pad_id: int = 0, decode_chunk: int = 16,
-               on_swap: str = "recompute", memory_budget_bytes: Optional[int] = None,
+               on_swap: str = "recompute", shrink: bool = True, memory_budget_bytes: Optional[int] = None,
                params: Optional[models.Params] = None, version: int = 0):
     if on_swap not in ("recompute", "keep"):
       raise ValueError(f"on_swap must be 'recompute' or 'keep', got {on_swap!r}")
@@ -243,7 +282,7 @@ class ContinuousSampler:
       raise ValueError(f"slots={slots} must be a multiple of the mesh's {shards} row shards")
     self.cfg, self.mesh, self.slots = cfg, mesh, slots
     self.max_prompt_len, self.max_new_tokens, self.pad_id = max_prompt_len, max_new_tokens, pad_id
-    self.decode_chunk, self.on_swap = decode_chunk, on_swap
+    self.decode_chunk, self.on_swap, self.shrink = decode_chunk, on_swap, shrink
     self.eos_ids, self.stops = self._static.eos_ids, self._static.stops
     self.memory = self._static.memory
     self.trace_counts = collections.Counter()
@@ -256,6 +295,14 @@ class ContinuousSampler:
     self._chunk = jax.jit(self._traced("decode", with_cfg(decode_steps), **statics),
                           static_argnames=("strategy",), donate_argnums=(1,))
     self._recompute = jax.jit(self._traced("recompute", with_cfg(recompute)), donate_argnums=(1,))
+    self._gather = jax.jit(self._traced("shrink", lambda st, idx: jax.tree.map(lambda x: x[idx] if x.ndim else x, st)))
+    self._cancel = jax.jit(self._traced("cancel", lambda st, mask: st.replace(done=st.done | mask)),
+                           donate_argnums=(0,))
+    self._grow = jax.jit(self._traced("grow", lambda big, st: jax.tree.map(
+        lambda a, b: a.at[:b.shape[0]].set(b) if a.ndim else b, big, st)), donate_argnums=(0,))
+    # Slot buckets for the tail: slots, slots/2, slots/4, slots/8 (a decode program each; below that the step's
+    # fixed cost, reading every weight, dominates).
+    self._buckets = [b for b in (slots >> i for i in range(4)) if b and b % shards == 0][::-1]
     if params is not None:
       self.update_weights(params, version)
 
@@ -280,7 +327,7 @@ class ContinuousSampler:
   def _empty(self) -> SlotState:
     cfg, S, P, N = self.cfg, self.slots, self.max_prompt_len, self.max_new_tokens
     K, Dh, dt = cfg.n_kv_heads, cfg.head_dim, cfg.jnp_dtype
-    segs = decode.segments(N)
+    segs = decode.doubling_segments(N)
     z = lambda shape, dtype: jnp.zeros(shape, dtype)
     st = SlotState(
         pk=tuple(z((S, K, Dh, P), dt) for _ in range(cfg.n_layers)),
@@ -292,10 +339,22 @@ class ContinuousSampler:
         versions=jnp.full((S, N), -1, jnp.int32), t=z((S,), jnp.int32), limit=z((S,), jnp.int32),
         done=jnp.ones((S,), bool), reason=z((S,), jnp.int32), last=z((S,), jnp.int32),
         keys=jax.random.split(jax.random.key(0), S), work=z((), jnp.int32), steps=z((), jnp.int32))
+    return self._placed(st)
+
+  def _placed(self, st: SlotState) -> SlotState:
+    """Slot rows split over the mesh's row shards (scalars replicated)."""
     if self.mesh is None:
       return st
+    S = st.t.shape[0]
     return jax.device_put(st, jax.tree.map(lambda x: shd.batch_sharding(self.mesh, S, x.ndim) if x.ndim else
                                            NamedSharding(self.mesh, jax.sharding.PartitionSpec()), st))
+
+  def stream(self, strategy: SamplingMethod = Temperature(1.0), *,
+             on_chunk: Optional[Callable[[int, int], None]] = None) -> "Stream":
+    """An open session: `submit` groups at any time, `step` decodes and returns the groups that finished."""
+    if self.version is None:
+      raise ValueError("generate: no weights; call update_weights(params, version) first")
+    return Stream(self, strategy, on_chunk)
 
   def generate(self, prompts, *, samples_per_prompt: int = 1, strategy: SamplingMethod = Temperature(1.0),
                seed: int = 0, step: int = 0, prompt_ids: Optional[Sequence[int]] = None, prompt_mask=None,
@@ -306,83 +365,242 @@ class ContinuousSampler:
     max_new_tokens: None (the engine's budget), an int, or one limit per row (prompt-major, n × G).
     on_chunk(chunk_index, tokens_of_finished_rows) runs before each decode chunk.
     """
-    if self.version is None:
-      raise ValueError("generate: no weights; call update_weights(params, version) first")
-    G = int(samples_per_prompt)
-    if G < 1 or self.slots % G:
-      raise ValueError(f"samples_per_prompt={G} must be >= 1 and divide slots={self.slots}")
-    toks, valid = self._static._pad_prompts(prompts, prompt_mask)  # pylint: disable=protected-access
+    stream = self.stream(strategy, on_chunk=on_chunk)
+    n = len(stream.submit(prompts, samples_per_prompt=samples_per_prompt, seed=seed, step=step,
+                          prompt_ids=prompt_ids, prompt_mask=prompt_mask, max_new_tokens=max_new_tokens))
+    done = {}
+    while stream.pending:
+      done.update((g.tag, g.out) for g in stream.step())
+    self.last_timings = stream.timings()
+    return jax.tree.map(jnp.asarray, concat_outputs([done[i] for i in range(n)]))
+
+
+@dataclasses.dataclass
+class FinishedGroup:
+  """The G samples of one submitted prompt, all finished: `out` a host SampleOutput of G rows; `tag`
+  what `submit` was given for it."""
+  tag: object
+  out: SampleOutput
+
+
+@dataclasses.dataclass
+class _Group:
+  tag: object
+  prompt: np.ndarray  # [P] left-padded
+  valid: np.ndarray
+  prompt_id: int
+  keys: np.ndarray    # [G] key data
+  limits: np.ndarray  # [G]
+  tokens: np.ndarray = None
+  logprobs: np.ndarray = None
+  versions: np.ndarray = None
+  lengths: np.ndarray = None
+  reason: np.ndarray = None
+  left: int = 0       # samples not finished
+  admitted: int = -1  # the weight version its first tokens were drawn with
+
+  @property
+  def samples(self) -> int:
+    return len(self.limits)
+
+
+class Stream:
+  """Continuous batching as a session: groups are submitted, decoded on the engine's slots as they free up,
+  and returned by `step` as soon as all G samples of a group have finished.
+
+  One thread drives a stream (`submit` / `step`); weights may be installed on the engine from any thread
+  and take effect at the next step (per-token versions record which weights drew each token).
+  """
+
+  def __init__(self, engine: ContinuousSampler, strategy: SamplingMethod,
+               on_chunk: Optional[Callable[[int, int], None]] = None):
+    self.e, self.strategy, self.on_chunk = engine, strategy, on_chunk
+    self.queue: collections.deque[_Group] = collections.deque()
+    self.owner = np.full(engine.slots, -1)  # slot → index into self._rows (-1: free)
+    self._rows: dict[int, tuple[_Group, int]] = {}
+    self._next_row = 0
+    self.running = 0  # groups admitted, not finished
+    self.st: Optional[SlotState] = None
+    _, self.version = engine._static._weights  # pylint: disable=protected-access
+    self.chunks = self.swaps = self.steps = self.slot_steps = self.finished_tokens = 0
+    self.t0 = time.perf_counter()
+
+  @property
+  def pending(self) -> int:
+    """Groups submitted and not yet returned (queued or decoding)."""
+    return len(self.queue) + self.running
+
+  @property
+  def queued(self) -> int:
+    return len(self.queue)
+
+  def submit(self, prompts, *, samples_per_prompt: int = 1, seed: int = 0, step: int = 0,
+             prompt_ids: Optional[Sequence[int]] = None, prompt_mask=None,
+             max_new_tokens: Union[int, Sequence[int], None] = None, tags: Optional[Sequence] = None) -> list:
+    """Queues n prompts x G samples (row keys from (seed, step, prompt id, sample) as in `generate`).
+
+    tags: one per prompt (default 0..n-1), handed back with the finished group. Returns the tags.
+    """
+    e, G = self.e, int(samples_per_prompt)
+    if G < 1 or e.slots % G:
+      raise ValueError(f"samples_per_prompt={G} must be >= 1 and divide slots={e.slots}")
+    toks, valid = e._static._pad_prompts(prompts, prompt_mask)  # pylint: disable=protected-access
     n = len(toks)  # one prompt bucket (max_prompt_len): the slot state never changes shape
     ids = np.arange(n) if prompt_ids is None else np.asarray(prompt_ids, np.int64)
     if ids.shape != (n,):
       raise ValueError(f"prompt_ids has shape {ids.shape}, expected ({n},)")
-    R, N = n * G, self.max_new_tokens
+    tags = list(range(n)) if tags is None else list(tags)
+    if len(tags) != n:
+      raise ValueError(f"tags has {len(tags)} entries, expected one per prompt ({n})")
+    R, N = n * G, e.max_new_tokens
     limits = np.asarray(N if max_new_tokens is None else max_new_tokens, np.int64)
     if limits.ndim and limits.shape != (R,):
       raise ValueError(f"generate: max_new_tokens has {limits.size} entries, expected one per row ({n} prompts x "
                        f"{G} samples = {R})")
-    limits = np.broadcast_to(limits, (R,)).copy()
+    limits = np.broadcast_to(limits, (R,)).reshape(n, G)
     if limits.min() < 1 or limits.max() > N:
       raise ValueError(f"generate: max_new_tokens must lie in [1, {N}] (the engine's budget), got "
                        f"{limits.min()}..{limits.max()}")
     keys = np.asarray(jax.random.key_data(loop.row_keys(seed, step, jnp.asarray(np.repeat(ids, G).astype(np.uint32)),
                                                         jnp.asarray(np.tile(np.arange(G), n).astype(np.uint32)))))
-    out_tok = np.full((R, N), self.pad_id, np.int32)
-    out_lp = np.zeros((R, N), np.float32)
-    out_ver = np.full((R, N), -1, np.int32)
-    out_len = np.zeros(R, np.int32)
-    out_reason = np.zeros(R, np.int32)
-    owner = np.full(self.slots, -1)  # row held by each slot
-    queue = collections.deque(range(n))
-    groups = self.slots // G
-    q_buckets = _pow2_buckets(1, groups)
-    t0 = time.perf_counter()
-    n_chunks = n_swaps = 0
-    with self._ctx():
-      st = self._empty()
-      params, ver = self._static._weights  # pylint: disable=protected-access
-      newest = ver
-      while queue or (owner >= 0).any():
-        free = np.flatnonzero(owner < 0)
-        take = min(len(free) // G, len(queue))
-        if take:
-          q = next(b for b in q_buckets if b >= take)
-          which_p = [queue.popleft() for _ in range(take)]
-          sel = np.asarray(which_p + [which_p[0]] * (q - take))
-          k, v, logits = self._prefill(params, jnp.asarray(toks[sel]), jnp.asarray(valid[sel]))
-          A = q * G
-          slot_ids = np.full(A, self.slots, np.int32)  # padding: dropped
-          slot_ids[:take * G] = free[:take * G]
-          rows = np.concatenate([np.arange(p * G, p * G + G) for p in which_p] + [np.zeros(A - take * G, np.int64)])
-          which = np.repeat(np.arange(q), G)
-          st = self._admit(st, k, v, logits, jnp.asarray(toks[sel]), jnp.asarray(valid[sel]),
-                           jnp.asarray(slot_ids), jnp.asarray(which, np.int32),
-                           jax.random.wrap_key_data(jnp.asarray(keys[rows])),
-                           jnp.asarray(limits[rows].astype(np.int32)), np.int32(newest), strategy=strategy)
-          owner[free[:take * G]] = rows[:take * G]
-        if on_chunk is not None:
-          on_chunk(n_chunks, int(out_len.sum()))
-        params, v_now = self._static._weights  # pylint: disable=protected-access
-        if v_now != newest:
-          if self.on_swap == "recompute":
-            st = self._recompute(params, st)
-          newest, n_swaps = v_now, n_swaps + 1
-        st = self._chunk(params, st, np.int32(newest), np.int32(self.decode_chunk), strategy=strategy)
-        n_chunks += 1
-        done = np.asarray(st.done)
-        fin = np.flatnonzero(done & (owner >= 0))
-        if len(fin):
-          r = owner[fin]
-          out_tok[r], out_lp[r], out_ver[r] = (np.asarray(st.tokens)[fin], np.asarray(st.logprobs)[fin],
-                                               np.asarray(st.versions)[fin])
-          out_len[r], out_reason[r] = np.asarray(st.t)[fin], np.asarray(st.reason)[fin]
-          owner[fin] = -1
-      work, steps = int(st.work), int(st.steps)
-    self.last_timings = dict(total_s=time.perf_counter() - t0, chunks=n_chunks, swaps=n_swaps, decode_steps=steps,
-                             slot_utilization=work / max(1, steps * self.slots), rows=R)
-    pt = np.repeat(toks, G, axis=0)
-    return SampleOutput(tokens=jnp.asarray(out_tok), logprobs=jnp.asarray(out_lp), lengths=jnp.asarray(out_len),
-                        finish_reason=jnp.asarray(out_reason), prompt_tokens=jnp.asarray(pt),
-                        prompt_mask=jnp.asarray(np.repeat(valid, G, axis=0)), versions=jnp.asarray(out_ver),
-                        prompt_ids=jnp.asarray(np.repeat(ids, G).astype(np.int32)),
-                        sample_ids=jnp.asarray(np.tile(np.arange(G), n).astype(np.int32)), version=newest)
+    keys = keys.reshape(n, G, *keys.shape[1:])
+    for i in range(n):
+      self.queue.append(_Group(tags[i], toks[i], valid[i], int(ids[i]), keys[i], limits[i].copy()))
+    return tags
+
+  def _admit(self, params) -> None:
+    """Whole groups of the queue's head (same G) take free slots, sharing one prefill per prompt."""
+    e = self.e
+    free = np.flatnonzero(self.owner < 0)
+    G = self.queue[0].samples
+    take = 0
+    while take < len(self.queue) and self.queue[take].samples == G and (take + 1) * G <= len(free):
+      take += 1
+    if not take:
+      return
+    q = next(b for b in _pow2_buckets(1, e.slots // G) if b >= take)
+    groups = [self.queue.popleft() for _ in range(take)]
+    sel = groups + [groups[0]] * (q - take)
+    toks = np.stack([g.prompt for g in sel])
+    valid = np.stack([g.valid for g in sel])
+    k, v, logits = e._prefill(params, jnp.asarray(toks), jnp.asarray(valid))  # pylint: disable=protected-access
+    A = q * G
+    slot_ids = np.full(A, len(self.owner), np.int32)  # padding: dropped
+    slot_ids[:take * G] = free[:take * G]
+    keys = np.concatenate([g.keys for g in sel])
+    limits = np.concatenate([g.limits for g in sel]).astype(np.int32)
+    self.st = e._admit(self.st, k, v, logits, jnp.asarray(toks), jnp.asarray(valid), jnp.asarray(slot_ids),  # pylint: disable=protected-access
+                       jnp.asarray(np.repeat(np.arange(q), G).astype(np.int32)),
+                       jax.random.wrap_key_data(jnp.asarray(keys)), jnp.asarray(limits), np.int32(self.version),
+                       strategy=self.strategy)
+    N = e.max_new_tokens
+    for j, g in enumerate(groups):
+      g.admitted = self.version
+      g.tokens, g.logprobs = np.full((G, N), e.pad_id, np.int32), np.zeros((G, N), np.float32)
+      g.versions, g.lengths, g.reason, g.left = np.full((G, N), -1, np.int32), np.zeros(G, np.int32), \
+          np.zeros(G, np.int32), G
+      for i in range(G):
+        self._rows[self._next_row] = (g, i)
+        self.owner[free[j * G + i]] = self._next_row
+        self._next_row += 1
+    self.running += take
+
+  def _resize(self) -> None:
+    """Full slots while requests wait; once none do, the running rows move to the smallest slot bucket that
+    holds them (on a CPU a decode step costs in proportion to its slots, running or not)."""
+    e, size = self.e, len(self.owner)
+    if self.queue:
+      if size < e.slots:  # grow back: the running rows keep their slots, the new ones are free
+        self.st = e._placed(e._grow(e._empty(), self.st))  # pylint: disable=protected-access
+        self.owner = np.concatenate([self.owner, np.full(e.slots - size, -1)])
+      return
+    live = np.flatnonzero(self.owner >= 0)
+    b = next((b for b in e._buckets if b >= len(live)), size)  # pylint: disable=protected-access
+    if e.shrink and len(live) and b < size:
+      idx = np.concatenate([live, np.flatnonzero(self.owner < 0)[:b - len(live)]])
+      self.st = e._placed(e._gather(self.st, jnp.asarray(idx, np.int32)))  # pylint: disable=protected-access
+      self.owner = self.owner[idx]
+
+  def step(self) -> list[FinishedGroup]:
+    """Admits queued groups into free slots, decodes one chunk, returns the groups that finished."""
+    e = self.e
+    if not self.pending:
+      return []
+    with e._ctx():  # pylint: disable=protected-access
+      if self.st is None:
+        self.st = e._empty()  # pylint: disable=protected-access
+      self._resize()
+      params, v_now = e._static._weights  # pylint: disable=protected-access
+      if v_now != self.version:
+        if e.on_swap == "recompute" and self.running:
+          self.st = e._recompute(params, self.st)  # pylint: disable=protected-access
+        self.version, self.swaps = v_now, self.swaps + 1
+      if self.queue:
+        self._admit(params)
+      if self.on_chunk is not None:
+        self.on_chunk(self.chunks, self.finished_tokens)
+        params, v_now = e._static._weights  # pylint: disable=protected-access
+        if v_now != self.version:  # installed by on_chunk: the admitted rows' token 0 keeps its version
+          if e.on_swap == "recompute":
+            self.st = e._recompute(params, self.st)  # pylint: disable=protected-access
+          self.version, self.swaps = v_now, self.swaps + 1
+      self.st = e._chunk(params, self.st, np.int32(self.version), np.int32(e.decode_chunk),  # pylint: disable=protected-access
+                         strategy=self.strategy)
+      self.chunks += 1
+      steps = int(self.st.steps)
+      self.steps, self.slot_steps = steps, self.slot_steps + (steps - self.steps) * len(self.owner)
+      finished = self._collect()
+      self._resize()
+    return finished
+
+  def cancel_older(self, version: int) -> list:
+    """Stops the decoding groups whose first tokens were drawn with weights older than `version` (too stale
+    to be used) and frees their slots; returns their tags. Queued groups start with the newest weights."""
+    stale = {}
+    for s in np.flatnonzero(self.owner >= 0):
+      g, _ = self._rows[int(self.owner[s])]
+      if g.admitted < version:
+        stale.setdefault(id(g), g)
+    if not stale:
+      return []
+    mask = np.zeros(len(self.owner), bool)
+    for s in np.flatnonzero(self.owner >= 0):
+      if id(self._rows[int(self.owner[s])][0]) in stale:
+        del self._rows[int(self.owner[s])]
+        self.owner[s], mask[s] = -1, True
+    with self.e._ctx():  # pylint: disable=protected-access
+      self.st = self.e._cancel(self.st, jnp.asarray(mask))  # pylint: disable=protected-access
+    self.running -= len(stale)
+    return [g.tag for g in stale.values()]
+
+  def _collect(self) -> list[FinishedGroup]:
+    fin = np.flatnonzero(np.asarray(self.st.done) & (self.owner >= 0))
+    if not len(fin):
+      return []
+    st = jax.device_get((self.st.tokens, self.st.logprobs, self.st.versions, self.st.t, self.st.reason))
+    tok, lp, ver, t, reason = (x[fin] for x in st)
+    out = []
+    for j, s in enumerate(fin):
+      g, i = self._rows.pop(int(self.owner[s]))
+      self.owner[s] = -1
+      g.tokens[i], g.logprobs[i], g.versions[i], g.lengths[i], g.reason[i] = tok[j], lp[j], ver[j], t[j], reason[j]
+      self.finished_tokens += int(t[j])
+      g.left -= 1
+      if not g.left:
+        self.running -= 1
+        out.append(FinishedGroup(g.tag, self._output(g)))
+    return out
+
+  def _output(self, g: _Group) -> SampleOutput:
+    G = g.samples
+    return SampleOutput(tokens=g.tokens, logprobs=g.logprobs, lengths=g.lengths, finish_reason=g.reason,
+                        prompt_tokens=np.repeat(g.prompt[None], G, 0), prompt_mask=np.repeat(g.valid[None], G, 0),
+                        versions=g.versions, prompt_ids=np.full(G, g.prompt_id, np.int32),
+                        sample_ids=np.arange(G, dtype=np.int32), version=int(g.versions.max()))
+
+  def timings(self) -> dict:
+    """Wall time, chunks, weight swaps, decode steps and slot utilization (decoding slots over all slots
+    of the steps run; a shrunk state has fewer slots) since the stream opened."""
+    work = int(self.st.work) if self.st is not None else 0
+    return dict(total_s=time.perf_counter() - self.t0, chunks=self.chunks, swaps=self.swaps,
+                decode_steps=self.steps, slot_utilization=work / max(1, self.slot_steps))

@@ -65,33 +65,48 @@ def segments(n_new: int) -> tuple[tuple[int, int], ...]:
   return tuple(zip([0] + ends[:-1], ends))
 
 
-def _split(x, axis, n_new):
-  return tuple(jax.lax.slice_in_dim(x, a, b, axis=axis) for a, b in segments(n_new))
+def doubling_segments(n_new: int) -> tuple[tuple[int, int], ...]:
+  """Segments ending at 64, 128, 256, ... (the last one at least 64 long): for rows at different positions.
+
+  The continuous engine attends every slot over the segments the furthest running row has reached; with
+  long-tailed lengths most rows are short, so the first segments are kept short.
+  """
+  ends = [64]
+  while ends[-1] < n_new:
+    ends.append(ends[-1] * 2)
+  ends[-1] = n_new
+  if len(ends) > 1 and ends[-1] - ends[-2] < 64:
+    ends.pop(-2)
+  return tuple(zip([0] + ends[:-1], ends))
+
+
+def _split(x, axis, segs):
+  return tuple(jax.lax.slice_in_dim(x, a, b, axis=axis) for a, b in segs)
 
 
 def from_model_cache(cache: models.KVCache, n_prompt_slots: int, samples: int, n_new: int,
-                     prompt_rows: slice = slice(None)) -> LayerCache:
+                     prompt_rows: slice = slice(None), segs=None) -> LayerCache:
   """Builds a LayerCache from an `models.KVCache` [L, R, S, K, Dh] whose first `n_prompt_slots` slots are prompts.
 
   The prompt part is taken from rows `prompt_rows` (one per distinct prompt); the
   generated part is slots [P, S) padded to n_new per row, or zeros when R rows
-  are distinct prompts to be repeated `samples` times.
+  are distinct prompts to be repeated `samples` times. segs: the generated slots' segments
+  (default `segments(n_new)`).
   """
+  segs = segments(n_new) if segs is None else segs
   L, R, S, K, Dh = cache.k.shape
   P = n_prompt_slots
   pk = tuple(cache.k[l, prompt_rows, :P].transpose(0, 2, 3, 1) for l in range(L))
   pv = tuple(cache.v[l, prompt_rows, :P].transpose(0, 2, 1, 3) for l in range(L))
   if S > P:
     pad = ((0, 0), (0, 0), (0, n_new - (S - P)), (0, 0))
-    gk = tuple(_split(jnp.pad(cache.k[l, :, P:].transpose(0, 2, 1, 3), pad).transpose(0, 1, 3, 2), 3, n_new)
+    gk = tuple(_split(jnp.pad(cache.k[l, :, P:].transpose(0, 2, 1, 3), pad).transpose(0, 1, 3, 2), 3, segs)
                for l in range(L))
-    gv = tuple(_split(jnp.pad(cache.v[l, :, P:].transpose(0, 2, 1, 3), pad), 2, n_new) for l in range(L))
+    gv = tuple(_split(jnp.pad(cache.v[l, :, P:].transpose(0, 2, 1, 3), pad), 2, segs) for l in range(L))
   else:
     B = R * samples
-    gk = tuple(tuple(jnp.zeros((B, K, Dh, b - a), cache.k.dtype) for a, b in segments(n_new))
-               for _ in range(L))
-    gv = tuple(tuple(jnp.zeros((B, K, b - a, Dh), cache.v.dtype) for a, b in segments(n_new))
-               for _ in range(L))
+    gk = tuple(tuple(jnp.zeros((B, K, Dh, b - a), cache.k.dtype) for a, b in segs) for _ in range(L))
+    gv = tuple(tuple(jnp.zeros((B, K, b - a, Dh), cache.v.dtype) for a, b in segs) for _ in range(L))
   return LayerCache(pk=pk, pv=pv, gk=gk, gv=gv, prompt_valid=cache.valid[prompt_rows, :P])
 
 

@@ -61,6 +61,12 @@ class SampleOutput:
   version: int = flax.struct.field(pytree_node=False, default=0)
 
 
+def concat_outputs(outs: Sequence[SampleOutput]) -> SampleOutput:
+  """Host (numpy) SampleOutputs → one, rows in order; `version` the newest."""
+  cat = jax.tree.map(lambda *xs: np.concatenate(xs), *[o.replace(version=0) for o in outs])
+  return cat.replace(version=max(o.version for o in outs))
+
+
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
   out, b = [], lo
   while b < hi:
