@@ -27,6 +27,7 @@ def plan_fields(topology: str, num_slices: int, sampler_batch: int) -> ml_collec
       ici_gb_s=300.0,             # per chip, one direction (half of the published 4800 Gbps bidirectional)
       dcn_gb_s=6.25,              # per chip: 200 Gbps NIC per 4-chip host / 4 (assumption)
       sampler_batch=sampler_batch,  # rows per sampler prefill/decode call
+      programs="",                # e.g. "sampler_decode_paged": compile only these (rlax.planning.PROGRAMS)
   ))
 
 

@@ -14,29 +14,46 @@ def format_table(t: dict) -> str:
   """Per-program rows (per-chip memory against HBM, FLOPs, bytes, roofline time, compile time) + estimates."""
   c, a, e = t["config"], t["assumptions"], t["estimates"]
   hbm = a["hbm_gib"]
+  w = max([18] + [len(p["name"]) + 1 for p in t["programs"]])  # program names fit their column
   lines = [f"plan: {c['model']} ({c['params'] / 1e9:.3g}B params) on {c['topology']} = {c['devices']} "
            f"{c['chip']} chips; trainer mesh {c['trainer_mesh']}, sampler mesh {c['sampler_mesh']}",
            f"      batch {c['batch_rows']} rows x {c['seq_len']} tokens, {c['micro_batches']} micro-batches; "
            f"sampler {c['sampler_batch']} rows per call",
-           f"{'program':<18}{'mesh':<22}{'args GiB':>9}{'temp GiB':>9}{'out GiB':>9}{'peak GiB':>9}"
+           f"{'program':<{w}}{'mesh':<22}{'args GiB':>9}{'temp GiB':>9}{'out GiB':>9}{'peak GiB':>9}"
            f"{'% HBM':>7}{'TFLOP':>9}{'GB acc':>9}{'roofline':>11}{'analytic':>11}{'compile':>9}"]
   for p in t["programs"]:
     flops = max(p["flops"], p["est_flops"])
     nbytes = max(p["bytes_accessed"], p["est_bytes"])
-    lines.append(f"{p['name']:<18}{p['mesh']:<22}{p['argument_bytes'] / GIB:>9.2f}{p['temp_bytes'] / GIB:>9.2f}"
+    lines.append(f"{p['name']:<{w}}{p['mesh']:<22}{p['argument_bytes'] / GIB:>9.2f}{p['temp_bytes'] / GIB:>9.2f}"
                  f"{p['output_bytes'] / GIB:>9.2f}{p['peak_bytes'] / GIB:>9.2f}{100 * p['hbm_frac']:>7.1f}"
                  f"{flops / 1e12:>9.3g} {nbytes / 1e9:>8.3g}{_t(p['roofline_s']):>11}"
                  f"{_t(p['analytic_s']) if p['analytic_s'] else '-':>11}{p['compile_s']:>8.1f} s")
   push = e["push"]
-  lines += [f"per chip, HBM {hbm:g} GiB; peak {a['peak_tflops']:g} TFLOP/s bf16, HBM {a['hbm_tb_s']:g} TB/s, "
-            f"ICI {a['ici_gb_s']:g} GB/s, DCN {a['dcn_gb_s']:g} GB/s (assumed)",
-            f"train step >= {_t(e['train_step_s'])} ({e['train_tokens_per_s']:.3g} tokens/s); "
-            f"prefill >= {_t(e['prefill_s'])}; decode step >= {_t(e['decode_token_step_s'])} "
-            f"({e['sampler_tokens_per_s']:.3g} sampler tokens/s; analytic {_t(e['analytic_decode_token_step_s'])}, "
-            f"{e['analytic_sampler_tokens_per_s']:.3g} tokens/s)",
-            f"weight push ~ {_t(push['seconds'])}: {push['total_bytes'] / 1e9:.3g} GB, "
+  lines.append(f"per chip, HBM {hbm:g} GiB; peak {a['peak_tflops']:g} TFLOP/s bf16, HBM {a['hbm_tb_s']:g} TB/s, "
+               f"ICI {a['ici_gb_s']:g} GB/s, DCN {a['dcn_gb_s']:g} GB/s (assumed)")
+  steps = []
+  if "train_step_s" in e:
+    steps.append(f"train step >= {_t(e['train_step_s'])} ({e['train_tokens_per_s']:.3g} tokens/s)")
+  if "prefill_s" in e:
+    steps.append(f"prefill >= {_t(e['prefill_s'])}")
+  if "decode_token_step_s" in e:
+    steps.append(f"decode step >= {_t(e['decode_token_step_s'])} ({e['sampler_tokens_per_s']:.3g} sampler tokens/s; "
+                 f"analytic {_t(e['analytic_decode_token_step_s'])}, "
+                 f"{e['analytic_sampler_tokens_per_s']:.3g} tokens/s)")
+  if steps:
+    lines.append("; ".join(steps))
+  if "paged_decode" in e:
+    p = e["paged_decode"]
+    lines.append(f"paged decode step >= {_t(e['paged_decode_token_step_s'])} "
+                 f"({e['paged_sampler_tokens_per_s']:.3g} sampler tokens/s; {p['attention']} attention, "
+                 f"{p['slots']} slots x {p['context']} tokens, pages of {p['page_size']}): "
+                 f"{p['step_bytes'] / 1e9:.3g} GB/chip = XLA {p['xla_step_bytes'] / 1e9:.3g} GB (layers unrolled, "
+                 f"compiled in {p['unrolled_compile_s']:.3g} s) "
+                 f"+ kernel {p['kernel_bytes'] / 1e9:.3g} GB; "
+                 f"{p['ratio']:.3g}x weights {p['weights_bytes'] / 1e9:.3g} GB + KV {p['kv_bytes'] / 1e9:.3g} GB")
+  lines += [f"weight push ~ {_t(push['seconds'])}: {push['total_bytes'] / 1e9:.3g} GB, "
             f"{push['per_chip_transport_bytes'] / 1e6:.3g} MB/chip over {push['link'].upper()} "
             f"({_t(push['cross_s'])}), gather to {push['per_chip_sampler_bytes'] / 1e9:.3g} GB/chip over ICI "
             f"({_t(push['gather_s'])})",
-            f"assumptions: {a['time']}; push: {a['push']}"]
+            f"assumptions: {a['time']}; push: {a['push']}" + (f"; {a['paged']}" if "paged_decode" in e else "")]
   return "\n".join(lines)

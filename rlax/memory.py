@@ -150,9 +150,18 @@ def _layer_acts(cfg: models.ModelConfig, tokens: int, keys: int, tensor: int, is
 
 # -- the estimate ----------------------------------------------------------------------------------------
 def sampler_batch_size(run: RunConfig) -> int:
-  """Rows the sampler's KV cache holds: a rollout, or an eval call of 16 prompts x eval.n_samples
-  (as `builders.sampler` sizes it)."""
+  """Rows the sampler's KV cache holds (as `builders.sampler` sizes it): the continuous engine's slots
+  (rollout.slots = -1 sizes them to fit, so the default is the estimate), or for the static engine a
+  rollout or an eval call of 16 prompts x eval.n_samples."""
+  if run.rollout.engine == "continuous":
+    return run.rollout.decode_slots(run.eval.n_samples)
   return max(run.rollout.rows, run.eval.n_samples * 16)
+
+
+def _sampler_rows_note(run: RunConfig) -> str:
+  if run.rollout.engine == "continuous":
+    return "continuous engine's decode slots (rollout.slots)"
+  return "max(rollout rows, eval.n_samples x 16)"
 
 
 def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dict) -> dict[str, int]:
@@ -218,7 +227,8 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   prefill = (layer_w + 2 * cache(prompts, r.max_prompt_len) + sampling
              + _layer_acts(cfg, prompts * r.max_prompt_len, r.max_prompt_len, tensor, isz, _INFER_PER_ELEM))
   # A weight swap between decode chunks recomputes the whole cache (sampler.loop.refill).
-  refill = (layer_w + 2 * kv + _layer_acts(cfg, b * S, S, tensor, isz, _INFER_PER_ELEM)) if r.decode_chunk else 0
+  swaps = r.decode_chunk or r.engine == "continuous"  # the continuous engine streams across weight versions
+  refill = (layer_w + 2 * kv + _layer_acts(cfg, b * S, S, tensor, isz, _INFER_PER_ELEM)) if swaps else 0
   tied_head = cfg.d_model * vocab * max(isz, dt.itemsize) if cfg.tie_embeddings else 0  # embed.T copy
   decode = layer_w + tied_head + sampling  # the fused per-layer weights live through the decode loop
   scratch = max(prefill, refill, decode)
@@ -226,7 +236,7 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   notes.update({
       "sampler.weights": f"{cfg.dtype} (the compute dtype)",
       "sampler.spare_weights": f"{keep} more version(s): the newest kept / arriving while the sampler uses one",
-      "sampler.kv_cache": f"{b} rows x {S} slots per device ({B} rows: max(rollout rows, eval.n_samples x 16))",
+      "sampler.kv_cache": f"{b} rows x {S} slots per device ({B} rows: {_sampler_rows_note(run)})",
       "sampler.scratch": f"largest program scratch: {which} (weight copies, sampling buffers, activations)",
   })
   return dict(weights=weights, spare_weights=keep * weights, kv_cache=kv, scratch=int(scratch))
@@ -292,6 +302,8 @@ def _sampler_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
   s = est.sampler
   if s["weights"] + s["spare_weights"] >= s["kv_cache"] + s["scratch"]:
     return "shard the sampler's weights (topology.sampler_mesh.tensor > 1) or give it more devices"
+  if run is not None and run.rollout.engine == "continuous":
+    return f"lower rollout.max_new_tokens or rollout.slots ({sampler_batch_size(run)} decode slots)"
   rows = "" if run is None else f" ({run.rollout.rows} rollout rows; eval.n_samples x 16 = {run.eval.n_samples * 16})"
   return f"lower rollout.max_new_tokens or the sampler batch{rows}"
 

@@ -8,7 +8,9 @@ num_slices=...)` (needs the `tpu` extra: jax[tpu] / libtpu; no TPU attached), or
 when `c.plan.topology` is "local" (tests use 8 fake CPU devices). Either way they go through the same
 `build_topology` the runtime uses, and the same objects build the programs through their public lowerings
 only (`Trainer.abstract_state` / `abstract_batch` / `lower_step`, `Sampler.abstract_params` / `lower_prefill`
-/ `lower_decode`, `CrossMeshPush.lowered`), so the plan cannot drift from the runtime's layouts. Each program
+/ `lower_decode`, `CrossMeshPush.lowered`), so the plan cannot drift from the runtime's layouts. The paged decode
+step (`rlax.sampler.paged`, with jax's Pallas paged-attention kernel on TPU) is planned beside the engine's
+decode chunk on the same mesh and weights. `c.plan.programs` restricts the plan to some programs. Each program
 is lowered with ShapeDtypeStructs carrying its mesh's shardings and compiled; `memory_analysis()` gives per-chip
 bytes and `cost_analysis()` per-chip FLOPs and bytes accessed. Times are a roofline estimate,
 max(flops / peak, bytes / HBM bandwidth), i.e. perfect overlap and full MXU use: a lower bound.
@@ -18,6 +20,7 @@ The weight push time is a bandwidth model (bytes per chip over ICI/DCN bandwidth
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -31,11 +34,13 @@ from rlax import builders
 from rlax import config as config_lib
 from rlax import models
 from rlax.multihost import CrossMeshPush, transport_spec
-from rlax.sampler import Sampler, Temperature
+from rlax.sampler import Sampler, Temperature, paged
 from rlax.topology import Topology, build_topology
 from rlax.trainer import Trainer
 
 GIB = 2 ** 30
+PROGRAMS = ("trainer_step", "sampler_prefill", "sampler_decode", "sampler_decode_paged", "push_to_transport",
+            "push_cross", "push_to_sampler")
 
 
 class PlanError(ValueError):
@@ -180,6 +185,79 @@ def sampler_programs(c: config_lib.RunConfig, sampler: Sampler, chip: Chip) -> d
           "sampler_decode": lambda compiled_prefill: sampler.lower_decode(compiled_prefill, strategy)}
 
 
+def paged_page_size(max_len: int) -> int:
+  """Tokens per KV page: 1/16 of the context rounded up to a power of two, within [16, 128] (jax's
+  `get_min_page_size` rule; 128 = one (128, 128) tile of keys at head_dim 128)."""
+  return min(128, max(16, (1 << max(0, max_len - 1).bit_length()) // 16))
+
+
+def paged_attention_kind(cfg: models.ModelConfig, mesh: Mesh) -> str:
+  """"kernel" (jax's Pallas paged attention) on TPU devices for a model it compiles for, else "reference"."""
+  tpu = next(iter(mesh.devices.flat)).platform == "tpu"
+  return "kernel" if tpu and paged.kernel_supports(cfg) else "reference"
+
+
+def paged_decode_program(c: config_lib.RunConfig, sampler: Sampler, scan: bool | None = None) -> jax.stages.Lowered:
+  """One paged decode step (`rlax.sampler.paged.decode_step`) for `c.plan.sampler_batch` slots at the full
+  context (max_prompt_len + max_new_tokens) on `sampler.mesh`, lowered; the cache is donated.
+
+  Weights are the sampler's (`sampler.abstract_params()`); the page pool holds exactly every slot's pages and
+  is sharded by `paged.cache_shardings` (pages and slots over data, KV heads over tensor). On TPU devices the
+  attention is jax's Pallas paged-attention kernel (when `paged.kernel_supports` the model), elsewhere the jnp
+  reference (Mosaic compiles for TPU only).
+  scan: override `c.model.scan_layers` (False: the layers unrolled, which XLA's cost analysis counts in full).
+  """
+  r, mesh = c.rollout, sampler.mesh
+  cfg = c.model if scan is None else c.model.replace(scan_layers=scan)
+  S, max_len = c.plan.sampler_batch, r.max_prompt_len + r.max_new_tokens
+  cache = paged.abstract_cache(cfg, S, max_len, paged_page_size(max_len), mesh)
+  rows = lambda dt: jax.ShapeDtypeStruct((S,), dt, sharding=cache.lengths.sharding)
+  logits = NamedSharding(mesh, models.spec_for(("batch", "act_vocab"), (S, cfg.vocab_size), dict(mesh.shape)))
+  step = jax.jit(functools.partial(paged.decode_step, attention=paged_attention_kind(cfg, mesh)),
+                 static_argnums=1, donate_argnums=2,
+                 out_shardings=(logits, jax.tree.map(lambda x: x.sharding, cache)))
+  with jax.set_mesh(mesh):
+    return step.lower(sampler.abstract_params(), cfg, cache, rows(jnp.int32), rows(jnp.bool_))
+
+
+def paged_decode_counts(c: config_lib.RunConfig, sampler: Sampler,
+                        unrolled: jax.stages.Compiled | None = None) -> dict[str, Any]:
+  """Per-chip bytes of one paged decode step, which the scanned program's cost analysis cannot give.
+
+  XLA counts a scan body once and cannot see into a Mosaic kernel, so the step is also compiled with its
+  layers unrolled (XLA counts every layer; TPU's count is of HBM traffic after memory-space assignment, so it
+  is not a sum of per-layer figures) and the kernel's own count is added (jax's kernel carries no cost
+  estimate: `paged.kernel_cost`, every page of every slot at the full context, q and output in f32).
+  Compared with what a step must read: the weights and the KV cache per chip. unrolled: the step already
+  compiled with its layers unrolled (when the model does not scan them), else it is compiled here.
+  """
+  r, cfg, mesh = c.rollout, c.model, sampler.mesh
+  S, max_len = c.plan.sampler_batch, r.max_prompt_len + r.max_new_tokens
+  page = paged_page_size(max_len)
+  t0 = time.perf_counter()
+  cost = (unrolled or paged_decode_program(c, sampler, scan=False).compile()).cost_analysis()
+  unrolled_s = time.perf_counter() - t0 if unrolled is None else 0.0
+  cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+  xla = float(cost.get("bytes accessed", 0.0))
+  cache = paged.abstract_cache(cfg, S, max_len, page, mesh)
+  attention = paged_attention_kind(cfg, mesh)
+  kernel = dict(bytes_accessed=0.0, flops=0.0, pages_read=0)
+  if attention == "kernel":  # per chip: its own slots and KV heads (and their query heads)
+    s_loc = cache.lengths.sharding.shard_shape((S,))[0]
+    k_loc = cache.k.sharding.shard_shape(cache.k.shape)[0]
+    local = cfg.replace(n_kv_heads=k_loc, n_heads=cfg.n_heads // cfg.n_kv_heads * k_loc)
+    ppb = paged.default_pages_per_block(paged.pages_per_slot(max_len, page), page)  # what decode_step uses
+    kernel = paged.kernel_cost(local, [max_len] * s_loc, page, ppb, q_dtype=jnp.float32)
+  weights = sum(_shard_bytes(x) for x in jax.tree.leaves(sampler.abstract_params()))
+  kv = _shard_bytes(cache.k) + _shard_bytes(cache.v)
+  step = xla + kernel["bytes_accessed"]
+  return dict(attention=attention, page_size=page, slots=S, context=max_len,
+              pool_pages=cache.k.shape[2], xla_step_bytes=xla, xla_step_flops=float(cost.get("flops", 0.0)),
+              kernel_bytes=kernel["bytes_accessed"], kernel_flops=kernel["flops"],
+              kernel_pages_read=kernel["pages_read"], step_bytes=step, weights_bytes=weights, kv_bytes=kv,
+              ratio=step / max(weights + kv, 1), unrolled_compile_s=unrolled_s)
+
+
 def _analyze(name: str, mesh_desc: str, lower, chip: Chip, extra_s: float = 0.0) -> tuple[Program, Any]:
   """Lowers (`lower()`) and compiles one program, reads its per-chip figures; PlanError when it does not fit."""
   t0 = time.perf_counter()
@@ -232,28 +310,48 @@ def model_flops(cfg: models.ModelConfig, tokens: int, context: int) -> float:
   return tokens * (2 * matmul + 4 * L * H * Dh * context)
 
 
+def selected_programs(p) -> tuple[str, ...]:
+  """The programs `p.programs` names (comma-separated; "" = all), in PROGRAMS order; ValueError on unknown names."""
+  names = [n.strip() for n in (p.programs or "").split(",") if n.strip()]
+  unknown = sorted(set(names) - set(PROGRAMS))
+  if unknown:
+    raise ValueError(f"plan.programs: unknown program(s) {', '.join(unknown)}; known: {', '.join(PROGRAMS)}")
+  return tuple(n for n in PROGRAMS if not names or n in names)
+
+
 def make_plan(c) -> dict[str, Any]:
-  """Builds, compiles and measures every program of config `c` (a RunConfig or the user's ConfigDict) on its
-  plan topology; returns the table.
+  """Builds, compiles and measures the programs of config `c` (a RunConfig or the user's ConfigDict) on its
+  plan topology: all of them, or those `c.plan.programs` names; returns the table.
 
   Raises PlanError (one line) as soon as a program's per-chip peak exceeds the chip's HBM.
   """
   c = c if isinstance(c, config_lib.RunConfig) else config_lib.load(c)
   if c.plan is None:
     raise ValueError("the config has no `plan` section (see configs/paper_qwq32b.py)")
+  want = selected_programs(c.plan)
   chip = Chip.from_config(c.plan)
   cfg = c.model
   devices = plan_devices(c.plan)
   topo = build_topology(c.topology, devices=devices)
   desc_t, desc_s = _mesh_desc(topo.trainer_mesh), _mesh_desc(topo.sampler_mesh)
   trainer = builders.trainer(c, topo.trainer_mesh)  # the runtime's own builder
-  progs = [_analyze("trainer_step", desc_t, lambda: trainer_program(c, trainer, chip), chip)[0]]
+  progs = []
+  if "trainer_step" in want:
+    progs.append(_analyze("trainer_step", desc_t, lambda: trainer_program(c, trainer, chip), chip)[0])
   sampler = build_sampler(c, topo.sampler_mesh)
-  sp = sampler_programs(c, build_sampler(c, on_first_slices(topo.sampler_mesh, devices)), chip)
-  prog, compiled_prefill = _analyze("sampler_prefill", desc_s, sp["sampler_prefill"], chip)
-  progs.append(prog)
-  progs.append(_analyze("sampler_decode", desc_s, lambda: sp["sampler_decode"](compiled_prefill), chip)[0])
-  if not topo.colocated:
+  first = build_sampler(c, on_first_slices(topo.sampler_mesh, devices))
+  paged_counts = None
+  if {"sampler_prefill", "sampler_decode"} & set(want):  # the decode chunk is lowered on the prefill's output
+    sp = sampler_programs(c, first, chip)
+    prog, compiled_prefill = _analyze("sampler_prefill", desc_s, sp["sampler_prefill"], chip)
+    progs.append(prog)
+  if "sampler_decode" in want:
+    progs.append(_analyze("sampler_decode", desc_s, lambda: sp["sampler_decode"](compiled_prefill), chip)[0])
+  if "sampler_decode_paged" in want:
+    prog, compiled = _analyze("sampler_decode_paged", desc_s, lambda: paged_decode_program(c, first), chip)
+    progs.append(prog)
+    paged_counts = paged_decode_counts(c, first, unrolled=None if cfg.scan_layers else compiled)
+  if not topo.colocated and {"push_to_transport", "push_cross", "push_to_sampler"} & set(want):
     target = sampler.abstract_params()  # the layout and dtype the sampler holds its weights in
     push = CrossMeshPush(topo.trainer_mesh, topo.sampler_mesh, jax.tree.map(lambda x: x.sharding, target),
                          dtype=cfg.jnp_dtype)
@@ -262,12 +360,13 @@ def make_plan(c) -> dict[str, Any]:
     lower_s = (time.perf_counter() - t0) / len(parts)  # lowering is shared; split it evenly
     meshes = {"push_to_transport": push.mirror, "push_cross": push.global_mesh, "push_to_sampler": topo.sampler_mesh}
     for name, lowered in parts.items():
-      progs.append(_analyze(name, _mesh_desc(meshes[name]), lambda: lowered, chip, extra_s=lower_s)[0])
-  return _table(c, chip, cfg, topo, progs, devices, trainer, sampler)
+      if name in want:
+        progs.append(_analyze(name, _mesh_desc(meshes[name]), lambda: lowered, chip, extra_s=lower_s)[0])
+  return _table(c, chip, cfg, topo, progs, devices, trainer, sampler, paged_counts)
 
 
 def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[Program], devices, trainer: Trainer,
-           sampler: Sampler) -> dict[str, Any]:
+           sampler: Sampler, paged_counts: dict[str, Any] | None = None) -> dict[str, Any]:
   r = c.rollout
   rows = r.rows
   seq = r.max_prompt_len + r.max_new_tokens
@@ -275,19 +374,35 @@ def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[P
   n_tr, n_sa = topo.trainer_mesh.devices.size, topo.sampler_mesh.devices.size
   B, G = c.plan.sampler_batch, r.samples_per_prompt
   passes = 4 if cfg.remat else 3  # forward + backward (2x) + the remat forward
-  by["trainer_step"].est_flops = passes * model_flops(cfg, rows * seq, seq // 2) / n_tr
-  by["trainer_step"].est_bytes = by["trainer_step"].argument_bytes + by["trainer_step"].output_bytes
-  by["sampler_prefill"].est_flops = model_flops(cfg, B // G * r.max_prompt_len, r.max_prompt_len // 2) / n_sa
-  by["sampler_prefill"].est_bytes = by["sampler_prefill"].argument_bytes + by["sampler_prefill"].output_bytes
-  # One decode step reads every weight and the whole cache (the engine attends over all slots).
-  by["sampler_decode"].est_flops = model_flops(cfg, B, seq) / n_sa
-  by["sampler_decode"].est_bytes = by["sampler_decode"].argument_bytes
+  estimates = {}
+  if "trainer_step" in by:
+    by["trainer_step"].est_flops = passes * model_flops(cfg, rows * seq, seq // 2) / n_tr
+    by["trainer_step"].est_bytes = by["trainer_step"].argument_bytes + by["trainer_step"].output_bytes
+    step_s = by["trainer_step"].roofline_s(chip)
+    estimates.update(train_step_s=step_s, train_tokens_per_s=rows * seq / max(step_s, 1e-12),
+                     train_mfu_flops_per_chip=by["trainer_step"].est_flops)
+  if "sampler_prefill" in by:
+    by["sampler_prefill"].est_flops = model_flops(cfg, B // G * r.max_prompt_len, r.max_prompt_len // 2) / n_sa
+    by["sampler_prefill"].est_bytes = by["sampler_prefill"].argument_bytes + by["sampler_prefill"].output_bytes
+    estimates.update(prefill_s=by["sampler_prefill"].roofline_s(chip))
+  if "sampler_decode" in by:
+    # One decode step reads every weight and the whole cache (the engine attends over all slots).
+    by["sampler_decode"].est_flops = model_flops(cfg, B, seq) / n_sa
+    by["sampler_decode"].est_bytes = by["sampler_decode"].argument_bytes
+    decode_s, analytic_s = by["sampler_decode"].roofline_s(chip), by["sampler_decode"].analytic_s(chip)
+    estimates.update(decode_token_step_s=decode_s, sampler_tokens_per_s=B / max(decode_s, 1e-12),
+                     analytic_decode_token_step_s=analytic_s,
+                     analytic_sampler_tokens_per_s=B / max(analytic_s, 1e-12))
+  if "sampler_decode_paged" in by:
+    # Its bytes are counted, not assumed: XLA over the unrolled layers + the kernel's page reads.
+    by["sampler_decode_paged"].est_flops = model_flops(cfg, B, seq) / n_sa
+    by["sampler_decode_paged"].est_bytes = paged_counts["step_bytes"]
+    paged_s = by["sampler_decode_paged"].roofline_s(chip)
+    estimates.update(paged_decode_token_step_s=paged_s, paged_sampler_tokens_per_s=B / max(paged_s, 1e-12),
+                     paged_decode=paged_counts)
   slices = {getattr(d, "slice_index", 0) for d in topo.devices_of(topo.assignment.trainer)}
   cross_dcn = not slices & {getattr(d, "slice_index", 0) for d in topo.devices_of(topo.assignment.sampler)}
-  step_s = by["trainer_step"].roofline_s(chip)
-  decode_s = by["sampler_decode"].roofline_s(chip)
-  prefill_s = by["sampler_prefill"].roofline_s(chip)
-  push = push_estimate(trainer, sampler, chip, cross_dcn and not topo.colocated)
+  estimates.update(push=push_estimate(trainer, sampler, chip, cross_dcn and not topo.colocated))
   table = dict(
       config=dict(model=c.model_preset, params=cfg.num_params(), devices=len(devices),
                   topology=f"{c.plan.topology} x {c.plan.num_slices}", chip=chip.name,
@@ -299,19 +414,14 @@ def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[P
                        time=("roofline max(flops/peak, bytes/hbm_bw) per chip; flops/bytes = max(cost_analysis, "
                              "analytic count: 2 x matmul params x tokens + attention, x4 with remat for training; "
                              "decode reads all weights + cache per token); a lower bound"),
+                       paged=("sampler_decode_paged bytes = XLA's count of the step with its layers unrolled + "
+                              "the kernel's page reads (jax's kernel ships no cost estimate)"),
                        push="bandwidth model: transport (ICI) + cross (DCN across slices) + gather (ICI)"),
       programs=[dict(dataclasses.asdict(q), peak_bytes=q.peak_bytes, peak_gib=round(q.peak_bytes / GIB, 3),
                      hbm_frac=round(q.peak_bytes / chip.hbm_bytes, 4), roofline_s=q.roofline_s(chip),
                      analytic_s=q.analytic_s(chip))
                 for q in progs],
-      estimates=dict(train_step_s=step_s, train_tokens_per_s=rows * seq / max(step_s, 1e-12),
-                     train_mfu_flops_per_chip=by["trainer_step"].est_flops,
-                     prefill_s=prefill_s, decode_token_step_s=decode_s,
-                     sampler_tokens_per_s=c.plan.sampler_batch / max(decode_s, 1e-12),
-                     analytic_decode_token_step_s=by["sampler_decode"].analytic_s(chip),
-                     analytic_sampler_tokens_per_s=c.plan.sampler_batch / max(by["sampler_decode"].analytic_s(chip),
-                                                                               1e-12),
-                     push=push),
+      estimates=estimates,
       compile_s={q.name: round(q.compile_s, 2) for q in progs},
   )
   return table
@@ -324,6 +434,8 @@ _KNOBS = {
                         "more tensor parallelism (topology.sampler_mesh.tensor)"),
     "sampler_decode": ("fewer rows per call (plan.sampler_batch) or shorter rollout.max_new_tokens",
                        "more tensor parallelism (topology.sampler_mesh.tensor)"),
+    "sampler_decode_paged": ("fewer slots (plan.sampler_batch) or shorter rollout.max_new_tokens",
+                             "more tensor parallelism (topology.sampler_mesh.tensor)"),
 }
 
 

@@ -24,8 +24,9 @@ LOW, HIGH = 0.8, 1.6
 def _run(model=None, rollout=None, optimizer=None, topology=None, algorithm=None, eval_samples=1, **top):
   return config_lib.load(dict(
       workdir="unused", model=dict(preset="w1", overrides={**BASE, **(model or {})}),
-      rollout={**dict(prompts_per_step=4, samples_per_prompt=4, max_prompt_len=32, max_new_tokens=96),
-               **(rollout or {})},
+      # The static engine, whose compiled programs these tests measure; the continuous one has its own test.
+      rollout={**dict(prompts_per_step=4, samples_per_prompt=4, max_prompt_len=32, max_new_tokens=96,
+                      engine="static"), **(rollout or {})},
       optimizer=optimizer or {}, algorithm={**dict(name="grpo", kl_coef=0.0), **(algorithm or {})},
       eval=dict(n_samples=eval_samples),
       topology={**dict(slice_size=None, trainer_slices=1, colocated=False), **(topology or {})}, **top))
@@ -159,6 +160,20 @@ def test_check_refuses_in_one_line_naming_the_knob():
                                        r"rollout.max_new_tokens or the sampler batch \(16 rollout rows; "
                                        r"eval.n_samples x 16 = 1024\)$"):
     memory.check(est, est.trainer_bytes, est.sampler_bytes - 1, run=run)
+
+
+def test_continuous_engine_cache_is_its_slots():
+  run = _run(model=dict(dtype="bfloat16"), eval_samples=8, rollout=dict(engine="continuous"))
+  s = memory.estimate(run, 1, 1).sampler
+  B, S = 16, 32 + 96  # 4 prompts x 4 samples, already whole groups of lcm(4, 8) = 8
+  assert s["kv_cache"] == 2 * run.model.n_layers * B * S * run.model.n_kv_heads * run.model.head_dim * 2
+  r = run.rollout
+  engine = builders.sampler(run, None, types.SimpleNamespace(eos_ids=[0], pad_id=0))
+  assert engine.slots == B and engine.memory["cache"] == s["kv_cache"]
+  with pytest.raises(ValueError, match=r"lower rollout.max_new_tokens or rollout.slots \(16 decode slots\)$"):
+    memory.check(memory.estimate(run, 1, 1), GIB, s["weights"], run=run)
+  assert r.decode_slots(8) == 16 and _run(rollout=dict(engine="continuous", prompts_per_step=3),
+                                          eval_samples=8).rollout.decode_slots(8) == 16
 
 
 def test_colocated_roles_add_up_on_each_device():

@@ -19,8 +19,7 @@ from rlax.multihost import transport_spec
 from rlax.topology import build_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMES = ["trainer_step", "sampler_prefill", "sampler_decode", "push_to_transport", "push_cross",
-         "push_to_sampler"]
+NAMES = list(planning.PROGRAMS)
 
 
 def tiny_config(topology="local"):
@@ -87,6 +86,44 @@ def test_push_programs_move_each_byte_once(local_plan):
   assert push["seconds"] == pytest.approx(push["transport_s"] + push["cross_s"] + push["gather_s"])
 
 
+def test_paged_decode_row_counts_weights_and_cache(local_plan):
+  """The paged decode step: per-chip weights + page pool from the shardings; its bytes are XLA's count of the
+  unrolled step (the reference attention on CPU: no kernel to add)."""
+  c, t = local_plan
+  cfg = M.preset("w1", **c.model.overrides.to_dict())
+  row = {p["name"]: p for p in t["programs"]}["sampler_decode_paged"]
+  paged = t["estimates"]["paged_decode"]
+  mesh = build_topology(c.topology).sampler_mesh  # data 2 x tensor 2
+  shapes = jax.eval_shape(lambda: M.init_params(cfg, jax.random.key(0)))
+  shard = M.param_shardings(cfg, mesh)
+  weights = sum(_shard_bytes(s.shape, s.dtype, sh) for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shard)))
+  # 8 slots x 32 tokens (two pages of 16) x 2 KV heads x 16 dims, f32, K and V: slots over data, heads over tensor.
+  kv = 2 * cfg.n_layers * (8 // 2) * 32 * (2 // 2) * 16 * 4
+  assert (paged["weights_bytes"], paged["kv_bytes"], paged["page_size"]) == (weights, kv, 16)
+  assert paged["attention"] == "reference" and paged["kernel_bytes"] == 0
+  assert paged["step_bytes"] == paged["xla_step_bytes"] > 0
+  assert paged["ratio"] == pytest.approx(paged["step_bytes"] / (weights + kv))
+  # The cache is donated and comes back in place; the step reads at least the weights and the pool.
+  assert row["alias_bytes"] >= kv and row["argument_bytes"] >= weights + kv
+  assert row["est_bytes"] == paged["step_bytes"]
+  assert t["estimates"]["paged_decode_token_step_s"] == pytest.approx(row["roofline_s"])
+
+
+def test_plan_programs_selects_what_compiles():
+  c = tiny_config()
+  c.plan.programs = "sampler_decode_paged, push_cross"
+  t = planning.make_plan(c)
+  assert [p["name"] for p in t["programs"]] == ["sampler_decode_paged", "push_cross"]
+  assert "train_step_s" not in t["estimates"] and "paged_decode" in t["estimates"]
+  from launch._plan_table import format_table
+  assert "paged decode step >=" in format_table(t) and "train step" not in format_table(t)
+  c.plan.programs = "sampler_decode"  # the decode chunk is lowered on the prefill's output: both compile
+  assert [p["name"] for p in planning.make_plan(c)["programs"]] == ["sampler_prefill", "sampler_decode"]
+  c.plan.programs = "sampler_decoder"
+  with pytest.raises(ValueError, match="unknown program.*sampler_decoder"):
+    planning.make_plan(c)
+
+
 def test_transport_spec_hand_cases():
   assert transport_spec((8, 6), {"data": 2, "fsdp": 1, "tensor": 2}) == P(("data", "tensor"), None)
   assert transport_spec((6, 3), {"data": 2, "fsdp": 1, "tensor": 2}) == P(("tensor",), None)
@@ -147,6 +184,25 @@ def test_tpu_topology_plan_or_clear_error():
   # TPU layouts pad small arrays to (8, 128) tiles, so compiled bytes are at least the logical ones.
   assert progs["push_cross"]["argument_bytes"] >= t["estimates"]["push"]["per_chip_transport_bytes"]
   assert progs["trainer_step"]["argument_bytes"] > 3 * t["config"]["params"] * 4 // 4
+  # head_dim 16: the Mosaic kernel does not compile for it, so the paged step uses the jnp attention.
+  assert t["estimates"]["paged_decode"]["attention"] == "reference"
+
+
+def test_tpu_paged_decode_compiles_the_pallas_kernel():
+  """With libtpu and head_dim 128: the paged step lowers jax's Pallas kernel (a Mosaic custom call) for v5p,
+  and the kernel's page reads are added to XLA's count."""
+  if importlib.util.find_spec("libtpu") is None:
+    pytest.skip("needs the tpu extra (libtpu) to compile for TPU")
+  c = tiny_config("v5p:2x2x1")
+  c.model.overrides["head_dim"] = 128
+  c.plan.programs = "sampler_decode_paged"
+  t = planning.make_plan(c)
+  paged = t["estimates"]["paged_decode"]
+  assert paged["attention"] == "kernel"
+  # Per chip: 4 slots x 2 pages of 16 tokens, 1 KV head (2 query heads), 2 layers; f32 pool, K and V; f32 q, out.
+  assert paged["kernel_pages_read"] == 2 * 4 * 2
+  assert paged["kernel_bytes"] == 2 * (2 * 1 * (4 * 2) * 16 * 128 * 4 + 2 * 4 * 2 * 128 * 4)
+  assert paged["step_bytes"] == pytest.approx(paged["xla_step_bytes"] + paged["kernel_bytes"])
 
 
 def test_tpu_launcher_commands_follow_the_plan_topology():

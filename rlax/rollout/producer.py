@@ -188,11 +188,10 @@ class RolloutProducer:
       have = P - buf.needed() if buf is not None else len(ready)
       if have >= P or (buf is not None and drawn >= MAX_ROUNDS * P and not stream.pending):
         break
-      # In flight: what this batch still needs plus the next batch's share when the weights can serve it;
-      # at least one new prompt per group still needed beyond those queued, so slots freed by short rows
-      # never idle behind a long one.
+      # In flight: what this batch still needs, plus the next batch's share when the weights can serve it
+      # (otherwise a prompt past this batch's need could only finish too stale).
       ahead = self.r.ahead if (self.sampler.version or 0) >= s + 1 - self.k else 0
-      want = max(P - have + ahead - stream.pending, P - have - stream.queued)
+      want = P - have + ahead - stream.pending
       if buf is not None:
         want = min(want, MAX_ROUNDS * P - drawn)
       drawn += self._draw(stream, s, want)

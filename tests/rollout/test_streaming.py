@@ -51,13 +51,14 @@ class Render:
 
 
 class Weights:
-  """Version v of the weights is always available (a trainer that keeps up)."""
+  """A trainer `lag` versions behind the newest it could have pushed: batch s gets version s - lag."""
 
-  def __init__(self):
-    self.version = 0
+  def __init__(self, lag):
+    self.version, self.lag, self.step = 0, lag, 0
 
-  def wait_for(self, v, exact=False):
-    self.version = max(self.version, v)
+  def wait_for(self, v, exact=False):  # called once per batch, in order
+    self.version = max(v, self.step - self.lag)
+    self.step += 1
     return P0, self.version, 0.0
 
   def latest(self):
@@ -81,7 +82,7 @@ class LimitedEngine(S.ContinuousSampler):
     return st
 
 
-def producer(records, *, prompts=2, ahead=-1, dynamic=False, reward=None, k=1):
+def producer(records, *, prompts=2, ahead=-1, dynamic=False, reward=None, k=1, lag=0):
   engine = LimitedEngine(CFG, max_prompt_len=8, max_new_tokens=40, slots=4, decode_chunk=2, params=P0)
   batches = []
   r = RolloutConfig(prompts_per_step=prompts, samples_per_prompt=2, max_prompt_len=8, max_new_tokens=40,
@@ -89,7 +90,7 @@ def producer(records, *, prompts=2, ahead=-1, dynamic=False, reward=None, k=1):
   reward = reward or (lambda text, rec: float(rec.id % 2))
   grade = lambda fn, texts, recs: [(fn(t, rec), {}) for t, rec in zip(texts, recs)]
   data = Data(records)
-  p = RolloutProducer(sampler=engine, weights=Weights(), data=data, render=Render(), reward_fn=reward,
+  p = RolloutProducer(sampler=engine, weights=Weights(lag), data=data, render=Render(), reward_fn=reward,
                       grade=grade, method=S.Temperature(1.0), rollout=r, max_staleness=k, deterministic=False,
                       dynamic_sampling=dynamic, seed=0, sink=batches.append)
   return p, batches, data
@@ -107,10 +108,10 @@ def batch_prompts(rollout):
 
 
 def test_batches_fill_from_the_groups_that_finish_first():
-  # 4 slots = 2 groups decode at once; batch 0 keeps 2 more prompts in flight (stream_ahead = P = 2).
-  # Prompt 0 runs 30 tokens: prompts 1 and 2 finish first and make batch 0, then 3 and 4 make batch 1.
-  # Batch 2 (k = 1) needs weights >= version 1: prompt 0, begun with version 0, can serve no batch any
-  # more, so it is stopped and its slots go to prompts 5 and 6.
+  # 4 slots = 2 groups decode at once; a trainer that keeps up gives batch s version s, which can serve
+  # batch s + 1 too (k = 1), so P = 2 more prompts stay in flight. Prompt 0 runs 30 tokens: prompts 1
+  # and 2 finish first and make batch 0, then 3 and 4 make batch 1. Batch 2 needs version >= 1: prompt 0,
+  # begun with version 0, can serve no batch any more, so it is stopped and its slots go to 5 and 6.
   limits = [30, 2, 3, 2, 4, 3, 2, 2, 2]
   p, batches, _ = producer(records(limits))
   p.run(0, 3)
@@ -137,6 +138,17 @@ def test_importance_weight_policy_keeps_long_groups():
   assert 0 in used and len(used) == len(set(used)) == 18
   late = next(b for b in batches if 0 in batch_prompts(b))
   assert late.index - late.version > 1 and late.stats["stale_groups_dropped"] == 0
+
+
+def test_a_lagging_trainer_keeps_no_prompt_in_flight_past_the_batch():
+  # Batch s gets version s - 1 (k = 1), which cannot serve batch s + 1: only this batch's prompts are
+  # drawn, so batch 1 waits for prompt 0 rather than start prompts that would finish too stale.
+  p, batches, _ = producer(records([30, 2, 3, 2, 4, 3, 2]), lag=1)
+  p.run(0, 3)
+  assert [batch_prompts(b) for b in batches[:2]] == [[1, 2], [3, 0]]
+  assert sorted(batch_prompts(batches[2])) == [4, 5]
+  assert [b.stats["stale_groups_dropped"] for b in batches] == [0, 0, 0]
+  assert [b.data_state for b in batches] == [{"pos": 0}, {"pos": 4}, {"pos": 6}]
 
 
 def test_dynamic_sampling_on_the_stream_replaces_tied_groups():
