@@ -8,6 +8,7 @@ the transport that connects them. Failover rebuilds through the same function.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -21,6 +22,7 @@ from rlax.data.pipeline import RecordIterator
 from rlax.data.prompts import PromptRenderer
 from rlax.data.records import Record, read_records
 from rlax.models import hf
+from rlax.models import sharding as shd
 from rlax.models.hf_tokenizer import Tokenizer
 from rlax.multihost import Channel, local_roles
 from rlax.rollout import packing
@@ -124,8 +126,14 @@ def sampler(run: RunConfig, mesh, tok: Tokenizer) -> Union[ContinuousSampler, Sa
   """The rollout.engine; stops on every eos token of the tokenizer (chat models end a turn with several)."""
   r = run.rollout
   if r.engine == "continuous":
+    slots = r.decode_slots(run.eval.n_samples)
+    if r.slots == -1:  # the memory holds: up to this batch and the next one's prompts in flight
+      unit = math.lcm(r.samples_per_prompt, run.eval.n_samples, shd.row_shards(mesh, slots))
+      slots = ContinuousSampler.slots_that_fit(run.model, mesh, max_prompt_len=r.max_prompt_len,
+                                               max_new_tokens=r.max_new_tokens, unit=unit,
+                                               cap=r.rows + r.ahead * r.samples_per_prompt)
     return ContinuousSampler(run.model, mesh, max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
-                             slots=r.decode_slots(run.eval.n_samples), eos_id=tok.eos_ids, pad_id=tok.pad_id,
+                             slots=slots, eos_id=tok.eos_ids, pad_id=tok.pad_id,
                              decode_chunk=r.decode_chunk or 16, on_swap=r.on_swap)
   return Sampler(run.model, mesh, max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
                  batch_size=max(r.rows, run.eval.n_samples * 16), eos_id=tok.eos_ids, pad_id=tok.pad_id,

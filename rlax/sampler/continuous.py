@@ -18,8 +18,21 @@ same weights (up to floating-point ties). A weight swap between chunks is record
 (tokens drawn under version v come from exactly the policy v), `"keep"` continues over the old cache.
 
 Cache layout per layer: the prompt part [S, K, Dh, P] / [S, K, P, Dh] and the generated part split into
-the static engine's segments (`decode.segments`); a decode step writes each slot's new key and value at
-its own position with a scatter and attends over the segments that any running row has reached.
+segments ending at 64, 128, 256, ... (`decode.doubling_segments`); a decode step writes each slot's new
+key and value at its own position with a scatter. Every slot attends over the prompt and the first
+segment; a later segment only for the rows that have reached it, in blocks of rows (`_attend`), so a
+step costs what the rows' own lengths need, not the longest row's. When nothing is queued, the running
+rows move to a smaller slot bucket (`Stream._resize`).
+
+`attention="paged"` (the default on TPU when `paged.kernel_supports(cfg)`) keeps the keys and values in a
+`paged.PagedKVCache` instead (slot s owning its own pages; a row's tokens at positions 0..n-1 whatever its
+prompt padding) and decodes with `paged.decode_step`, i.e. on TPU jax's Pallas `paged_attention` kernel over
+each slot's own length, under `lax.scan` over layers when `cfg.scan_layers`. Admission writes the prefill's
+keys/values into the slot's pages, `recompute` rewrites them; sampling and recording are the same code, so
+both layouts draw the same tokens. The paged path does not shrink to fewer slots.
+
+`stream()` opens a session for the rollout producer: prompt groups are submitted at any time and come
+back from `Stream.step()` as soon as all their samples have finished; `generate` is one such session.
 """
 
 from __future__ import annotations
@@ -40,7 +53,8 @@ from jax.sharding import Mesh, NamedSharding
 from rlax import models
 from rlax.models import layers
 from rlax.models import sharding as shd
-from rlax.sampler import decode, loop
+from rlax.sampler import decode, loop, paged
+from rlax.sampler import engine as engine_lib
 from rlax.sampler.engine import SampleOutput, Sampler, _pow2_buckets, concat_outputs
 from rlax.sampler.strategies import SamplingMethod, Temperature
 
@@ -52,6 +66,8 @@ class SlotState:
   tokens / logprobs / versions [S, N] (pad / 0 / -1 past a row's end); t [S] tokens drawn so far;
   limit [S] the request's max new tokens; done [S] (free slots are done); last [S] the token fed next;
   work [] slot-steps that decoded a running row; steps [] decode steps run (utilization).
+  kv: the paged KV cache on the paged path (`ContinuousSampler(attention="paged")`); pk / pv / gk / gv are
+  then empty. Its lengths[s] is the position of the token slot s feeds next, n_prompt + t - 1.
   """
   pk: tuple
   pv: tuple
@@ -71,6 +87,7 @@ class SlotState:
   keys: jax.Array
   work: jax.Array
   steps: jax.Array
+  kv: Optional[paged.PagedKVCache] = None
 
 
 def _record(st: SlotState, live, tok, lp, version, eos_ids, stops, pad_id) -> SlotState:
@@ -90,6 +107,8 @@ def _record(st: SlotState, live, tok, lp, version, eos_ids, stops, pad_id) -> Sl
                     reason=reason.astype(jnp.int32), t=jnp.where(live, t + 1, t),
                     last=jnp.where(live, tok, st.last))
 
+
+ATTENTION = ("auto", "dense", "paged", "paged_interpret")  # ContinuousSampler(attention=...)
 
 BLOCK = 8  # rows per block of the ragged attention over the later segments
 
@@ -178,12 +197,17 @@ def _decode_step(fused, cfg: models.ModelConfig, st: SlotState, live, n_seg: int
 
 
 def decode_steps(params, cfg: models.ModelConfig, st: SlotState, version, n_steps, *, strategy: SamplingMethod,
-                 eos_ids, stops, pad_id: int) -> SlotState:
+                 eos_ids, stops, pad_id: int, attention: str = "auto") -> SlotState:
   """Up to `n_steps` decode steps over all slots, stopping early once no slot is running.
 
-  One `while_loop` per generated segment: loop i runs while every running row's next write lands in
-  segments 0..i, so short rows never pay for attention over slots nobody has reached.
+  Dense cache: one `while_loop` per generated segment: loop i runs while every running row's next write lands
+  in segments 0..i, so short rows never pay for attention over slots nobody has reached. Paged cache (st.kv):
+  one `while_loop` of `paged.decode_step` (`attention` is its attention mode), whose per-slot lengths already
+  bound each row's attention.
   """
+  if st.kv is not None:
+    return _paged_decode_steps(params, cfg, st, version, n_steps, strategy=strategy, eos_ids=eos_ids,
+                               stops=stops, pad_id=pad_id, attention=attention)
   fused = decode.fuse_params(params, cfg)
   segs = decode.doubling_segments(st.tokens.shape[1])
   end_step = st.steps + n_steps
@@ -205,6 +229,34 @@ def decode_steps(params, cfg: models.ModelConfig, st: SlotState, version, n_step
   return st
 
 
+def _paged_decode_steps(params, cfg: models.ModelConfig, st: SlotState, version, n_steps, *,
+                       strategy: SamplingMethod, eos_ids, stops, pad_id: int, attention: str) -> SlotState:
+  fused = paged.fuse_layers(params, cfg)
+  end_step = st.steps + n_steps
+
+  def cond(st):
+    return (st.steps < end_step) & jnp.any(~st.done)
+
+  def body(st):
+    live = ~st.done
+    # Feeds each running row's last token at position kv.lengths = n_prompt + t - 1; finished and free
+    # slots are inactive (write nothing, keep their length).
+    logits, kv = paged.decode_step(fused, cfg, st.kv, st.last, live, attention=attention)
+    st = st.replace(kv=kv)
+    tok, lp = strategy.sample(logits, loop.uniforms(st.keys, st.t))
+    st = _record(st, live, tok, lp, version, eos_ids, stops, pad_id)
+    return st.replace(work=st.work + jnp.sum(live).astype(jnp.int32), steps=st.steps + 1)
+
+  return jax.lax.while_loop(cond, body, st)
+
+
+def _compact(x, mask):
+  """x [L, B, T, ...] with the valid (mask [B, T]) positions moved to the front, in order: the paged cache holds
+  a row's tokens at their positions 0..n-1, wherever the padding sat in the dense sequence."""
+  order = jnp.argsort(~mask, axis=1, stable=True)
+  return jnp.take_along_axis(x, order.reshape((1,) + order.shape + (1,) * (x.ndim - 3)), axis=2)
+
+
 def prefill(params, cfg: models.ModelConfig, prompt, prompt_mask):
   """Distinct prompts [Q, P] → (keys, values [L, Q, P, K, Dh], next-token logits [Q, V])."""
   Q, P = prompt.shape
@@ -223,12 +275,18 @@ def admit(st: SlotState, k, v, logits, prompt, prompt_mask, slot_ids, which, key
   L = k.shape[0]
   sid = slot_ids
   put = lambda x, y: x.at[sid].set(y, mode="drop")
-  pk = tuple(put(st.pk[l], k[l][which].transpose(0, 2, 3, 1)) for l in range(L))
-  pv = tuple(put(st.pv[l], v[l][which].transpose(0, 2, 1, 3)) for l in range(L))
+  n_prompt = jnp.sum(prompt_mask[which], axis=1).astype(jnp.int32)
+  if st.kv is not None:  # the prompt's keys/values become tokens 0..n_prompt-1 of the slot's pages
+    kv = paged.write_prefix(st.kv, sid, _compact(k, prompt_mask)[:, which], _compact(v, prompt_mask)[:, which],
+                            n_prompt)
+    st = st.replace(kv=kv)
+  else:
+    st = st.replace(pk=tuple(put(st.pk[l], k[l][which].transpose(0, 2, 3, 1)) for l in range(L)),
+                    pv=tuple(put(st.pv[l], v[l][which].transpose(0, 2, 1, 3)) for l in range(L)))
   A = sid.shape[0]
   new = st.replace(
-      pk=pk, pv=pv, prompt=put(st.prompt, prompt[which]), prompt_valid=put(st.prompt_valid, prompt_mask[which]),
-      n_prompt=put(st.n_prompt, jnp.sum(prompt_mask[which], axis=1).astype(jnp.int32)),
+      prompt=put(st.prompt, prompt[which]), prompt_valid=put(st.prompt_valid, prompt_mask[which]),
+      n_prompt=put(st.n_prompt, n_prompt),
       tokens=put(st.tokens, jnp.full((A, N), pad_id, jnp.int32)),
       logprobs=put(st.logprobs, jnp.zeros((A, N), jnp.float32)),
       versions=put(st.versions, jnp.full((A, N), -1, jnp.int32)),
@@ -250,8 +308,19 @@ def recompute(params, cfg: models.ModelConfig, st: SlotState) -> SlotState:
   in_cache = jnp.arange(N)[None] < (st.t - 1)[:, None]  # the last token is fed by the next step
   mask = jnp.concatenate([st.prompt_valid, in_cache], axis=1)
   _, mc = models.hidden_states(params, cfg, seq, input_mask=mask, cache=models.init_cache(cfg, S, P + N))
+  if st.kv is not None:  # lengths (n_prompt + t - 1 for running rows) are unchanged
+    return st.replace(kv=paged.write_prefix(st.kv, jnp.arange(S), _compact(mc.k, mask), _compact(mc.v, mask),
+                                            st.kv.lengths))
   new = decode.from_model_cache(mc, P, 1, N, segs=decode.doubling_segments(N))
   return st.replace(pk=new.pk, pv=new.pv, gk=new.gk, gv=new.gv)
+
+
+def _free_bytes(devices) -> int:
+  """Free memory per device: the allocator's limit minus what is in use, else the host's RAM per local device."""
+  stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+  if stats and "bytes_limit" in stats:
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+  return engine_lib._detect_budget(devices)  # pylint: disable=protected-access
 
 
 class ContinuousSampler:
@@ -261,13 +330,31 @@ class ContinuousSampler:
   row shards). decode_chunk: decode steps between admissions (and weight swaps). on_swap: "recompute"
   or "keep" (the unfinished rows' cache after a weight swap). shrink: once no request waits, decode the
   running rows on fewer slots (`Stream._resize`).
+
+  attention: where the keys/values live and how a decode step attends over them.
+    "dense": the per-slot dense cache and XLA:CPU-shaped attention of this module (`_attend`).
+    "paged": a `paged.PagedKVCache` (slot s owns pages s*n .. s*n+n-1 of its shard: the static contiguous
+      page table) decoded by `paged.decode_step` with its own "auto" attention: the Pallas TPU
+      `paged_attention` kernel on TPU when `paged.kernel_supports(cfg)`, else the jnp reference.
+    "paged_interpret": the paged path with the Pallas kernel in interpret mode (runs on CPU; for tests).
+    "auto": "paged" on a TPU backend when `paged.kernel_supports(cfg)`, else "dense".
+  The paged path does not shrink (`shrink` is ignored): its pool is not laid out by slot, so moving a row to
+  another slot means remapping its pages (across shards under a mesh); and there an idle slot costs the
+  kernel one page, not a dense block. page_size: tokens per page on the paged path.
   """
 
   def __init__(self, cfg: models.ModelConfig, mesh: Optional[Mesh] = None, *, max_prompt_len: int,
                max_new_tokens: int, slots: int, stop_sequences: Sequence[Sequence[int]] = (),
                eos_id: Union[int, Sequence[int], None] = None, pad_id: int = 0, decode_chunk: int = 16,
                on_swap: str = "recompute", shrink: bool = True, memory_budget_bytes: Optional[int] = None,
-               params: Optional[models.Params] = None, version: int = 0):
+               params: Optional[models.Params] = None, version: int = 0, attention: str = "auto",
+               page_size: int = 128):
+    if attention not in ATTENTION:
+      raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    if attention == "auto":
+      attention = "paged" if jax.default_backend() == "tpu" and paged.kernel_supports(cfg) else "dense"
+    if page_size < 1:
+      raise ValueError(f"page_size must be >= 1, got {page_size}")
     if on_swap not in ("recompute", "keep"):
       raise ValueError(f"on_swap must be 'recompute' or 'keep', got {on_swap!r}")
     if decode_chunk < 1:
@@ -282,7 +369,9 @@ class ContinuousSampler:
       raise ValueError(f"slots={slots} must be a multiple of the mesh's {shards} row shards")
     self.cfg, self.mesh, self.slots = cfg, mesh, slots
     self.max_prompt_len, self.max_new_tokens, self.pad_id = max_prompt_len, max_new_tokens, pad_id
-    self.decode_chunk, self.on_swap, self.shrink = decode_chunk, on_swap, shrink
+    self.attention, self.page_size = attention, page_size
+    self.paged = attention != "dense"
+    self.decode_chunk, self.on_swap, self.shrink = decode_chunk, on_swap, shrink and not self.paged
     self.eos_ids, self.stops = self._static.eos_ids, self._static.stops
     self.memory = self._static.memory
     self.trace_counts = collections.Counter()
@@ -292,7 +381,8 @@ class ContinuousSampler:
     self._prefill = jax.jit(self._traced("prefill", with_cfg(prefill)))
     self._admit = jax.jit(self._traced("admit", admit, **statics), static_argnames=("strategy",),
                           donate_argnums=(0,))
-    self._chunk = jax.jit(self._traced("decode", with_cfg(decode_steps), **statics),
+    self._chunk = jax.jit(self._traced("decode", with_cfg(decode_steps), **statics,
+                                       attention="interpret" if attention == "paged_interpret" else "auto"),
                           static_argnames=("strategy",), donate_argnums=(1,))
     self._recompute = jax.jit(self._traced("recompute", with_cfg(recompute)), donate_argnums=(1,))
     self._gather = jax.jit(self._traced("shrink", lambda st, idx: jax.tree.map(lambda x: x[idx] if x.ndim else x, st)))
@@ -313,6 +403,26 @@ class ContinuousSampler:
       return fn(*args, **statics, **kw)
     return call
 
+  @staticmethod
+  def slots_that_fit(cfg: models.ModelConfig, mesh: Optional[Mesh] = None, *, max_prompt_len: int,
+                     max_new_tokens: int, unit: int, cap: int, memory_budget_bytes: Optional[int] = None) -> int:
+    """The most slots (a multiple of `unit`, at most `cap`) whose KV cache, recompute transient and weights fit
+    the per-device budget (default: the device's free memory; on CPU the host's RAM over the local devices).
+
+    Raises one ValueError naming the sizes when not even `unit` slots (one whole group) fit.
+    """
+    probe = Sampler(cfg, mesh, max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens, batch_size=unit,
+                    prompt_buckets=(max_prompt_len,), decode_chunk=1, memory_budget_bytes=1 << 62)
+    per_unit = probe.memory["cache"] + probe.memory["transient"]  # both scale with the slots
+    budget = memory_budget_bytes if memory_budget_bytes is not None else _free_bytes(probe.devices)
+    n = (budget - probe.memory["params"]) // max(1, per_unit)
+    if n < 1:
+      raise ValueError(
+          f"sampler: one group of {unit} slots x {max_prompt_len + max_new_tokens} tokens needs "
+          f"{per_unit + probe.memory['params']:,} bytes per device (KV cache and recompute {per_unit:,}, params "
+          f"{probe.memory['params']:,}) but {budget:,} are free; shorten rollout.max_new_tokens or add devices")
+    return int(min(n * unit, max(unit, cap // unit * unit)))
+
   def update_weights(self, params: models.Params, version: int) -> None:
     """Installs new weights (validated and cast like the static engine). Thread-safe."""
     self._static.update_weights(params, version)
@@ -320,6 +430,11 @@ class ContinuousSampler:
   @property
   def version(self) -> Optional[int]:
     return self._static.version
+
+  @property
+  def _weights(self):
+    """(params, version) as installed, read in one go (the static engine's slot)."""
+    return self._static._weights  # pylint: disable=protected-access
 
   def _ctx(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
@@ -329,11 +444,18 @@ class ContinuousSampler:
     K, Dh, dt = cfg.n_kv_heads, cfg.head_dim, cfg.jnp_dtype
     segs = decode.doubling_segments(N)
     z = lambda shape, dtype: jnp.zeros(shape, dtype)
+    if self.paged:
+      # Room for the prompt and every new token; page ids local to the slot's shard, as decode_step reads them.
+      n = paged.pages_per_slot(P + N, self.page_size)
+      table = paged.contiguous_page_table(S, n, paged.slot_shards(self.mesh, S, K))
+      dense = dict(pk=(), pv=(), gk=(), gv=(), kv=paged.init_cache(cfg, S, P + N, self.page_size, page_table=table))
+    else:
+      dense = dict(pk=tuple(z((S, K, Dh, P), dt) for _ in range(cfg.n_layers)),
+                   pv=tuple(z((S, K, P, Dh), dt) for _ in range(cfg.n_layers)),
+                   gk=tuple(tuple(z((S, K, Dh, b - a), dt) for a, b in segs) for _ in range(cfg.n_layers)),
+                   gv=tuple(tuple(z((S, K, b - a, Dh), dt) for a, b in segs) for _ in range(cfg.n_layers)))
     st = SlotState(
-        pk=tuple(z((S, K, Dh, P), dt) for _ in range(cfg.n_layers)),
-        pv=tuple(z((S, K, P, Dh), dt) for _ in range(cfg.n_layers)),
-        gk=tuple(tuple(z((S, K, Dh, b - a), dt) for a, b in segs) for _ in range(cfg.n_layers)),
-        gv=tuple(tuple(z((S, K, b - a, Dh), dt) for a, b in segs) for _ in range(cfg.n_layers)),
+        **dense,
         prompt=z((S, P), jnp.int32), prompt_valid=z((S, P), bool), n_prompt=z((S,), jnp.int32),
         tokens=jnp.full((S, N), self.pad_id, jnp.int32), logprobs=z((S, N), jnp.float32),
         versions=jnp.full((S, N), -1, jnp.int32), t=z((S,), jnp.int32), limit=z((S,), jnp.int32),
@@ -346,8 +468,13 @@ class ContinuousSampler:
     if self.mesh is None:
       return st
     S = st.t.shape[0]
-    return jax.device_put(st, jax.tree.map(lambda x: shd.batch_sharding(self.mesh, S, x.ndim) if x.ndim else
-                                           NamedSharding(self.mesh, jax.sharding.PartitionSpec()), st))
+    kv = st.kv
+    st = jax.device_put(st.replace(kv=None), jax.tree.map(
+        lambda x: shd.batch_sharding(self.mesh, S, x.ndim) if x.ndim else
+        NamedSharding(self.mesh, jax.sharding.PartitionSpec()), st.replace(kv=None)))
+    if kv is not None:  # pools over (KV heads, pages), page table and lengths over slots
+      kv = jax.device_put(kv, paged.cache_shardings(self.cfg, self.mesh, S))
+    return st.replace(kv=kv)
 
   def stream(self, strategy: SamplingMethod = Temperature(1.0), *,
              on_chunk: Optional[Callable[[int, int], None]] = None) -> "Stream":
@@ -421,7 +548,7 @@ class Stream:
     self._next_row = 0
     self.running = 0  # groups admitted, not finished
     self.st: Optional[SlotState] = None
-    _, self.version = engine._static._weights  # pylint: disable=protected-access
+    _, self.version = engine._weights  # pylint: disable=protected-access
     self.chunks = self.swaps = self.steps = self.slot_steps = self.finished_tokens = 0
     self.t0 = time.perf_counter()
 
@@ -530,7 +657,7 @@ class Stream:
       if self.st is None:
         self.st = e._empty()  # pylint: disable=protected-access
       self._resize()
-      params, v_now = e._static._weights  # pylint: disable=protected-access
+      params, v_now = e._weights  # pylint: disable=protected-access
       if v_now != self.version:
         if e.on_swap == "recompute" and self.running:
           self.st = e._recompute(params, self.st)  # pylint: disable=protected-access
@@ -539,7 +666,7 @@ class Stream:
         self._admit(params)
       if self.on_chunk is not None:
         self.on_chunk(self.chunks, self.finished_tokens)
-        params, v_now = e._static._weights  # pylint: disable=protected-access
+        params, v_now = e._weights  # pylint: disable=protected-access
         if v_now != self.version:  # installed by on_chunk: the admitted rows' token 0 keeps its version
           if e.on_swap == "recompute":
             self.st = e._recompute(params, self.st)  # pylint: disable=protected-access

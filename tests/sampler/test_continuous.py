@@ -138,3 +138,17 @@ def test_bad_requests():
     cs.generate(PROMPTS, max_new_tokens=9)
   with pytest.raises(ValueError, match="on_swap"):
     make(on_swap="later")
+
+
+def test_slots_sized_from_the_memory_budget():
+  kw = dict(max_prompt_len=16, max_new_tokens=112, unit=4, cap=1000)
+  one = S.ContinuousSampler.slots_that_fit(CFG, **kw, memory_budget_bytes=1 << 40)
+  assert one == 1000 // 4 * 4  # plenty of memory: the cap
+  # Per 4 slots: keys + values of 2 layers x 2 kv heads x 128 positions x 8 dims x 4 bytes, twice (the cache
+  # and its recompute transient); params f32.
+  per_unit = 4 * 2 * 2 * 2 * 128 * 8 * 4 * 2
+  params = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(P0))
+  got = S.ContinuousSampler.slots_that_fit(CFG, **kw, memory_budget_bytes=params + 3 * per_unit + 1)
+  assert got == 12
+  with pytest.raises(ValueError, match="one group of 4 slots x 128 tokens needs"):
+    S.ContinuousSampler.slots_that_fit(CFG, **kw, memory_budget_bytes=params + per_unit - 1)
