@@ -31,6 +31,7 @@ setup(
         "tensorboardX>=2.6,<2.7",
         "tqdm>=4.66,<5",
         "psutil>=6,<8",
+        "cloudpickle>=2,<4",  # reward functions defined in a script reach the verifier processes
     ],
     extras_require={
         "test": ["pytest>=8,<10", "pytest-xdist>=3.6,<4", "torch==2.13.0", "transformers>=5,<6", "pyarrow>=15,<27"],

@@ -21,7 +21,7 @@ from rlax import rewards  # pylint: disable=g-import-not-at-top,wrong-import-pos
 from rlax.data import synthetic  # pylint: disable=g-import-not-at-top,wrong-import-position
 from rlax.data.records import Record  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-_WORKERS = flags.DEFINE_integer("workers", 4, "Pool threads.")
+_WORKERS = flags.DEFINE_integer("workers", 4, "Pool worker processes.")
 _MATH_N = flags.DEFINE_integer("math_n", 400, "Math gradings per run.")
 _CODE_N = flags.DEFINE_integer("code_n", 48, "Code gradings per run.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Runs per figure (median reported).")

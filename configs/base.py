@@ -45,7 +45,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       decode_chunk=0,            # >0: decode in chunks; weights may be swapped in between
       inflight_updates=False,
       engine="continuous",       # decode slots refilled as rows finish; "static": one batch to its longest row
-      slots=0,                   # continuous: decode slots (0: the batch's rows)
+      slots=0,                   # continuous: decode slots (0: the batch's rows; -1: as many as free memory holds)
       stream_ahead=-1,           # continuous: prompts in flight for the next batch (-1: prompts_per_step)
       on_swap="recompute",       # continuous: unfinished rows' KV cache under new weights, or "keep" it
   ))
@@ -57,6 +57,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       push_every=1,              # trainer pushes weights every N steps
       queue_size=2,
       dynamic_sampling=False,
+      on_nonfinite="skip",       # a non-finite reward, loss or grad norm: "skip" the batch (counted) or "stop"
   ))
 
   c.param_server = ml_collections.ConfigDict(dict(bucket="whole", bucket_bytes=0))  # or per_layer, bytes

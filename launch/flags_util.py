@@ -1,5 +1,6 @@
 """Flags that several entry points share, defined here once; a bad --config or override exits with one line."""
 
+import ast
 import os
 import sys
 
@@ -24,6 +25,7 @@ def _die(e: BaseException):
 
 def define_config(default: str):
   """DEFINE_config_file; ml_collections checks `--config.x=` overrides here, so a typo exits at once."""
+  sys.argv[:] = _take_open_dict_overrides(sys.argv)  # ml_collections reads sys.argv here
   try:
     return config_flags.DEFINE_config_file("config", default, "Config file (configs/*.py[:arg]).")
   except Exception as e:  # ml_collections raises AttributeError/KeyError/ValueError for bad overrides
@@ -38,6 +40,7 @@ def config_args() -> dict[str, str]:
     if name.startswith("config.") and fv[name].present:
       arg = fv[name].serialize()  # booleans serialize as --config.x / --noconfig.x
       out[name] = arg.split("=", 1)[1] if "=" in arg else str(arg == f"--{name}").lower()
+  out.update(_SET_AFTER)
   return out
 
 
@@ -72,11 +75,53 @@ def apply_cpu_devices() -> None:
   jax.config.update("jax_num_cpu_devices", flags.FLAGS.cpu_devices)
 
 
+# `--config.model.overrides.<key>=v` (and algorithm's): these dicts hold only the keys a config file sets, so
+# ml_collections cannot override any other key (`--config.model.overrides.dtype=bfloat16` on the demo); such
+# flags are set after parsing instead, their values read as Python literals (else as strings).
+_OPEN_DICTS = ("config.model.overrides.", "config.algorithm.overrides.")
+_SET_AFTER: dict[str, str] = {}
+
+
+def _take_open_dict_overrides(argv: list[str]) -> list[str]:
+  """argv without the `_OPEN_DICTS` overrides, which go to `_SET_AFTER`."""
+  rest = []
+  for arg in argv:
+    name = arg[2:].split("=", 1)[0]
+    if arg.startswith("--") and "=" in arg and name.startswith(_OPEN_DICTS) and name.count(".") == 3:
+      _SET_AFTER[name] = arg.split("=", 1)[1]
+    else:
+      rest.append(arg)
+  return rest
+
+
+def _set_after_parsing() -> None:
+  config = flags.FLAGS["config"].value
+  try:
+    config.keys()  # ml_collections hands back a stand-in that raises when the file failed to load
+  except Exception as e:
+    cause = e.__cause__ or e
+    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+    print(f"rlax: bad command line: --config={flags.FLAGS['config'].serialize().split('=', 1)[-1]}: "
+          f"{lines[-1] if lines else type(cause).__name__}", file=sys.stderr)
+    sys.exit(2)
+  for name, text in _SET_AFTER.items():
+    _, section, _, key = name.split(".")
+    try:
+      value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      value = text
+    with config.unlocked():
+      config[section]["overrides"][key] = value
+
+
 def parse_or_exit(argv):
   """absl `flags_parser` for `app.run`: parses argv, or prints one line and exits 2."""
   try:
-    return flags.FLAGS(argv)
+    parsed = flags.FLAGS(_take_open_dict_overrides(argv) if "config" in flags.FLAGS else argv)
   except SystemExit as e:  # absl's --help/--helpfull print usage and exit 1; asking for help is no error
     sys.exit(0 if e.code == 1 else e.code)
   except Exception as e:  # absl wraps config errors in many types; all mean "bad command line".
     _die(e)
+  if "config" in flags.FLAGS:
+    _set_after_parsing()
+  return parsed

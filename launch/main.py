@@ -13,6 +13,8 @@ runs the same job as two processes (one per role; weights cross by a collective 
 """
 
 import json
+import importlib.util
+import logging as py_logging
 import os
 import sys
 import traceback
@@ -26,6 +28,13 @@ CPU_DEVICES = define_cpu_devices()
 PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar on the console.")
 
 
+def _quiet_orbax(record) -> bool:
+  if "orbax" not in record.pathname:
+    return True
+  record.exc_info = record.exc_text = None
+  return record.levelno >= logging.converter.STANDARD_WARNING
+
+
 def main(argv):
   del argv
   from rlax.allocator import reexec_with_tcmalloc
@@ -37,11 +46,15 @@ def main(argv):
   elif multihost.maybe_init_pathways():  # the optional `pathways` extra: one controller for every slice
     logging.info("Pathways initialized")
   import jax
-  from rlax.runtime import Controller
+  from rlax.checkpoint import CheckpointError
+  from rlax.runtime import Controller, NonFiniteError
   logging.set_verbosity(logging.INFO)
-  # orbax logs every file operation at INFO; keep its warnings only.
-  logging.get_absl_handler().addFilter(
-      lambda r: r.levelno >= logging.converter.STANDARD_WARNING or "orbax" not in r.pathname)
+  # orbax logs every file operation at INFO; keep its warnings only, and its errors without the traceback
+  # (rlax raises the same failure as one CheckpointError line).
+  logging.get_absl_handler().addFilter(_quiet_orbax)
+  if importlib.util.find_spec("libtpu") is None:  # no TPU software here: JAX's failed TPU probe is noise
+    py_logging.getLogger("jax._src.xla_bridge").addFilter(
+        lambda r: not r.getMessage().startswith("Unable to initialize backend 'tpu'"))
   try:  # rlax.config.load types and validates the config; a relative workdir resolves against the cwd
     controller = Controller(CONFIG.value, progress=PROGRESS.value)
   except ValueError as e:
@@ -49,6 +62,12 @@ def main(argv):
     sys.exit(2)
   try:
     summary = controller.run()
+  except (NonFiniteError, CheckpointError) as e:  # the run stopped on purpose or cannot save: one line
+    print(f"rlax: {e}", file=sys.stderr)
+    sys.stderr.flush()
+    if jax.process_count() > 1:  # see below: no shutdown barrier
+      os._exit(1)
+    sys.exit(1)
   except BaseException:
     if jax.process_count() == 1:
       raise

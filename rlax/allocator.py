@@ -41,7 +41,8 @@ def reexec_with_tcmalloc() -> None:
   if lib is None or not sys.platform.startswith("linux"):
     return
   env = dict(os.environ, LD_PRELOAD=f"{lib} {os.environ.get('LD_PRELOAD', '')}".strip())
-  logging.info("re-executing under %s (%s=0 turns this off)", lib, _ENV)
+  # Not the user's business on every start (`-v=1` shows it); `using_tcmalloc()` tells afterwards.
+  logging.vlog(1, "re-executing under %s (%s=0 turns this off)", lib, _ENV)
   sys.stdout.flush()
   sys.stderr.flush()
   os.execve(sys.executable, list(sys.orig_argv), env)

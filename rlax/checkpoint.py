@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import time
-import warnings
 from typing import Any, Mapping
 
 from absl import logging
@@ -27,6 +26,18 @@ import orbax.checkpoint as ocp
 
 class IncompatibleCheckpointError(ValueError):
   """The checkpoint's tree or shapes do not match the restore target (e.g. a different model config)."""
+
+
+class CheckpointError(RuntimeError):
+  """A save could not be written (directory removed, disk full, no permission): one line naming the step."""
+
+
+def short_error(e: BaseException) -> str:
+  """`Type: first line` of an orbax/tensorstore error, without the TensorStore spec dump it appends."""
+  text = (str(e).splitlines() or [""])[0]
+  for cut in (" See full TensorStore details", " <bound method"):
+    text = text.split(cut)[0]
+  return f"{type(e).__name__}: {text[:300]}".rstrip(": ")
 
 
 def to_json(obj: Any) -> Any:
@@ -90,6 +101,7 @@ class Checkpointer:
         item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
     self._last_time = time.time()
     self._last_step = self._mgr.latest_step()
+    self._single_writer = jax.process_count() == 1 or (processes is not None and len(processes) == 1)
 
   @property
   def last_step(self) -> int | None:
@@ -123,7 +135,11 @@ class Checkpointer:
     meta_json = to_json(dict(meta or {}))
     json.dumps(meta_json)  # fail here, not in the background thread
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta_json))
-    self._mgr.save(step, args=args, force=True)
+    try:  # orbax first waits for the previous save, so its failure surfaces here too
+      self._mgr.save(step, args=args, force=True)
+    except Exception as e:
+      raise CheckpointError(f"checkpoint save of step {step} to {self.directory} failed: {short_error(e)}"
+                            ) from None
     self._last_step, self._last_time = step, time.time() if now is None else now
     logging.info("checkpoint: started async save of step %d to %s", step, self.directory)
     return True
@@ -170,25 +186,41 @@ class Checkpointer:
       except IncompatibleCheckpointError:
         raise
       except Exception as e:  # orbax/tensorstore raise many types for unreadable files
-        msg = (f"checkpoint step {step} in {self.directory} is unreadable, falling back to an earlier "
-               f"one: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
-        logging.warning(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=2)
-        if jax.process_count() == 1:
-          path = os.path.join(self.directory, str(step))
-          os.replace(path, f"{path}.unreadable.{time.time_ns()}")
-          self._mgr.reload()
-          self._last_step = self._mgr.latest_step()
+        aside = self._move_aside(step)
+        logging.warning("checkpoint step %d in %s is unreadable, falling back to an earlier one%s: %s", step,
+                        self.directory, f" (moved to {os.path.basename(aside)})" if aside else "", short_error(e))
         continue
       return got
     return None
 
+  def _move_aside(self, step: int) -> str | None:
+    """Renames an unreadable step to `<step>.unreadable.<ns>` → the new path (None: not this process's to move).
+
+    Only a single writer (one process, or the one active process of a multi-process job) renames: otherwise
+    the step would be restored past again at every restart, and the rerun's save of it refused.
+    """
+    if not self._single_writer:
+      return None
+    path = os.path.join(self.directory, str(step))
+    aside = f"{path}.unreadable.{time.time_ns()}"
+    os.replace(path, aside)
+    self._mgr.reload()
+    self._last_step = self._mgr.latest_step()
+    return aside
+
   def wait(self) -> None:
     """Block until every started save is finalized on disk."""
-    self._mgr.wait_until_finished()
+    try:
+      self._mgr.wait_until_finished()
+    except Exception as e:
+      raise CheckpointError(f"checkpoint save of step {self._last_step} to {self.directory} failed: "
+                            f"{short_error(e)}") from None
 
   def close(self) -> None:
-    self._mgr.close()
+    try:
+      self._mgr.close()
+    except Exception as e:  # a failed save was raised (CheckpointError) already; do not chain it again
+      logging.error("checkpoint: closing %s: %s", self.directory, short_error(e))
 
   def __enter__(self) -> "Checkpointer":
     return self

@@ -21,9 +21,9 @@ from rlax.topology import TopologyConfig
 from rlax.trainer.optimizer import OptimizerConfig
 
 # Algorithms whose advantage normalizes within a prompt's group of samples.
-GROUP_ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo", "gspo", "cispo")
-# Algorithms this runtime trains end to end ('ppo' needs a value model, not trained yet).
-RUNTIME_ALGORITHMS = GROUP_ALGORITHMS + ("reinforce_pp",)
+GROUP_ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo", "gspo", "cispo", "reinforce_pp_baseline")
+# Algorithms this runtime trains end to end (every registry name; 'ppo' trains its value model alongside).
+RUNTIME_ALGORITHMS = GROUP_ALGORITHMS + ("reinforce_pp", "ppo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,7 @@ class RolloutConfig:
   decode_chunk: int = 0          # > 0: decode in chunks; weights may be swapped in between
   inflight_updates: bool = False
   engine: str = "continuous"     # or "static" (one batch decoded until its longest row stops)
-  slots: int = 0                 # continuous: decode slots (0: the batch's rows, a multiple of both group sizes)
+  slots: int = 0                 # continuous: decode slots (0: the batch's rows; -1: as many as free memory holds)
   stream_ahead: int = -1         # continuous: prompts kept in flight for the next batch (-1: prompts_per_step)
   on_swap: str = "recompute"     # continuous: unfinished rows' KV cache after new weights: "recompute" or "keep"
 
@@ -83,7 +83,7 @@ class RolloutConfig:
     """The continuous engine's slots: `slots`, or the batch's rows rounded up to whole groups of both the
     rollout's and the evaluation's group size."""
     g = math.lcm(self.samples_per_prompt, eval_samples)
-    return self.slots or -(-self.rows // g) * g
+    return self.slots if self.slots > 0 else -(-self.rows // g) * g
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +95,7 @@ class ControllerConfig:
   push_every: int = 1
   queue_size: int = 2
   dynamic_sampling: bool = False
+  on_nonfinite: str = "skip"     # a batch with a non-finite reward, loss or gradient norm: "skip" it or "stop"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,6 +357,7 @@ def validate(run: RunConfig) -> None:
       (ctl.max_staleness >= 0, f"controller.max_staleness={ctl.max_staleness} must be >= 0"),
       (ctl.push_every >= 1, f"controller.push_every={ctl.push_every} must be >= 1"),
       (ctl.queue_size >= 1, f"controller.queue_size={ctl.queue_size} must be >= 1"),
+      (ctl.on_nonfinite in ("skip", "stop"), f"controller.on_nonfinite={ctl.on_nonfinite!r}: use 'skip' or 'stop'"),
       (ctl.stale_policy in ("drop", "importance_weight"),
        f"controller.stale_policy={ctl.stale_policy!r}: use 'drop' or 'importance_weight'"),
       (ctl.push_every <= ctl.max_staleness + 1,
@@ -375,8 +377,8 @@ def validate(run: RunConfig) -> None:
       (r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1"),
       (r.decode_chunk >= 0, f"rollout.decode_chunk={r.decode_chunk} must be >= 0"),
       (r.engine in ("continuous", "static"), f"rollout.engine={r.engine!r} must be 'continuous' or 'static'"),
-      (r.slots >= 0, f"rollout.slots={r.slots} must be >= 0"),
-      (r.slots % math.lcm(r.samples_per_prompt, max(1, e.n_samples)) == 0,
+      (r.slots >= -1, f"rollout.slots={r.slots} must be >= -1"),
+      (r.slots <= 0 or r.slots % math.lcm(r.samples_per_prompt, max(1, e.n_samples)) == 0,
        f"rollout.slots={r.slots} must be a multiple of rollout.samples_per_prompt={r.samples_per_prompt} and "
        f"eval.n_samples={e.n_samples} (whole groups share a prefill)"),
       (r.stream_ahead >= -1, f"rollout.stream_ahead={r.stream_ahead} must be >= -1"),
@@ -386,8 +388,10 @@ def validate(run: RunConfig) -> None:
       (0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]"),
       (not (r.top_k and r.top_p < 1), "rollout.top_k and rollout.top_p are exclusive; set one of them"),
       (run.algorithm.name in RUNTIME_ALGORITHMS,
-       f"algorithm.name={run.algorithm.name!r}: the runtime trains {', '.join(RUNTIME_ALGORITHMS)} "
-       "('ppo' needs a value model, which it does not train yet)"),
+       f"algorithm.name={run.algorithm.name!r}: the runtime trains {', '.join(RUNTIME_ALGORITHMS)}"),
+      (run.algorithm.value_warmup_steps < ctl.steps or ctl.steps == 0 or not run.algorithm.has_value_model,
+       f"algorithm.overrides.value_warmup_steps={run.algorithm.value_warmup_steps} must be < controller.steps="
+       f"{ctl.steps} (the policy would never be trained)"),
       (run.algorithm.name not in GROUP_ALGORITHMS or r.samples_per_prompt >= 2,
        f"algorithm {run.algorithm.name!r} normalizes within groups: rollout.samples_per_prompt must be >= 2, "
        f"got {r.samples_per_prompt}"),
@@ -430,12 +434,25 @@ def validate(run: RunConfig) -> None:
   for ok, msg in checks:
     if not ok:
       raise ValueError(msg)
+  _check_workdir(run.workdir)
   for which in ("train", "eval"):
     for path in run.data.files(which):
       if not path.endswith((".jsonl", ".json", ".parquet")):
         raise ValueError(f"data.{which}_files: {path!r} is not a .jsonl or .parquet file")
       if not os.path.isfile(path):
         raise ValueError(f"data.{which}_files: {path!r} does not exist")
+
+
+def _check_workdir(path: str) -> None:
+  """The workdir, or the nearest existing directory above it, must be a writable directory: else the run
+  would fail only when it first writes a log or checkpoint."""
+  probe = path
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    raise ValueError(f"workdir={path!r}: {probe!r} exists and is not a directory")
+  if not os.access(probe, os.W_OK | os.X_OK):
+    raise ValueError(f"workdir={path!r}: {probe!r} is not writable")
 
 
 def to_dict(run: RunConfig) -> dict[str, Any]:

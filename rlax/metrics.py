@@ -20,6 +20,11 @@ def _scalar(v):
   return None
 
 
+def _finite_or_none(row: dict) -> dict:
+  """NaN/inf floats as null: json.dumps would write `NaN`, which strict JSON readers refuse."""
+  return {k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in row.items()}
+
+
 class MetricsWriter:
   """Writes `metrics.jsonl` and TensorBoard event files under `logdir`; keeps the history in memory.
 
@@ -42,17 +47,34 @@ class MetricsWriter:
       from tqdm import tqdm
       self._bar = tqdm(total=total_steps, initial=len(self.history), dynamic_ncols=True, leave=True)
 
+  def reset(self, history: list[dict[str, Any]]) -> None:
+    """Makes `history` (a checkpoint's) the run's rows, in memory and in metrics.jsonl.
+
+    Rows written after that checkpoint belong to steps the resumed run trains again; rewriting the file
+    (atomically) keeps one row per step, so readers need not de-duplicate.
+    """
+    self.history[:] = history
+    path = os.path.join(self.logdir, "metrics.jsonl")
+    with open(path + ".tmp", "w") as f:
+      f.writelines(json.dumps(_finite_or_none(row)) + "\n" for row in history)
+    self._jsonl.close()
+    os.replace(path + ".tmp", path)
+    self._jsonl = open(path, "a")
+    if self._bar is not None:
+      self._bar.n = len(history)
+      self._bar.refresh()
+
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
     row = {"step": int(step), "time": time.time()}
     for k, v in metrics.items():
       s = _scalar(v)
       row[k] = s if s is not None else (v.tolist() if hasattr(v, "tolist") else v)
     self.history.append(row)
-    self._jsonl.write(json.dumps(row) + "\n")
+    self._jsonl.write(json.dumps(_finite_or_none(row)) + "\n")
     self._jsonl.flush()
     if self._tb is not None:
       for k, v in row.items():
-        if k not in ("step", "time") and isinstance(v, float):
+        if k not in ("step", "time") and isinstance(v, float) and np.isfinite(v):
           self._tb.add_scalar(k, v, step)
     if self._bar is not None:
       self._bar.update(1)

@@ -1,7 +1,10 @@
 """Checkpointer: async round trip, keep-last-N, periodic policy, atomicity, corruption fallback,
 restore onto a different device count, incompatible-config error."""
 
+import logging
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -133,7 +136,7 @@ def _corrupt_latest(tmp_path, kind):
 # A failed tensorstore read leaves a callback on orbax's closed asyncio loop: noise from orbax, not ours.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("kind", ["truncate", "delete"])
-def test_corrupt_latest_falls_back_with_warning(tmp_path, mesh8, kind):
+def test_corrupt_latest_falls_back_with_warning(tmp_path, mesh8, kind, caplog):
   s1, s2 = _state(mesh8, seed=1), _state(mesh8, seed=2)
   with ck.Checkpointer(tmp_path, keep=3) as c:
     c.save(1, s1, {"step": 1}, force=True)
@@ -141,8 +144,14 @@ def test_corrupt_latest_falls_back_with_warning(tmp_path, mesh8, kind):
     c.wait()
   _corrupt_latest(tmp_path, kind)
   with ck.Checkpointer(tmp_path, keep=3) as c:
-    with pytest.warns(RuntimeWarning, match="checkpoint step 2 .* unreadable"):
+    with caplog.at_level(logging.WARNING):
       step, restored, meta = c.restore_latest(_target(s1, mesh8))
+    # One line, naming the step and where it went, without TensorStore's spec dump.
+    lines = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert re.search(r"checkpoint step 2 in .* is unreadable, falling back to an earlier one "
+                     r"\(moved to 2\.unreadable\.\d+\): \w+", lines[0]), lines[0]
+    assert "bound method" not in lines[0] and "TensorStore details" not in lines[0]
     assert step == 1 and meta["step"] == 1 and _equal(restored, s1)
     # The unreadable step is moved aside (kept), so the resumed run writes step 2 again.
     assert c.all_steps() == [1] and len(list(tmp_path.glob("2.unreadable.*"))) == 1
@@ -216,3 +225,19 @@ def test_restore_casts_to_target_dtype(tmp_path):
     _, r, _ = c.restore_latest(target)
   assert r["w"].dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(r["w"]), (np.arange(8.0, dtype=np.float32) + 0.1).astype(jnp.bfloat16))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_save_into_a_removed_directory_is_one_error(tmp_path, mesh8):
+  """The checkpoint directory removed under a running job (and a file in its place, so that orbax cannot
+  recreate it): the next save or wait raises one CheckpointError line, and closing does not raise again."""
+  c = ck.Checkpointer(tmp_path / "ck", keep=1)
+  c.save(1, _state(mesh8, seed=1), {"step": 1}, force=True)
+  c.wait()
+  shutil.rmtree(tmp_path / "ck")
+  (tmp_path / "ck").write_text("")  # nothing can be written there now
+  with pytest.raises(ck.CheckpointError, match=r"checkpoint save of step \d to .*ck failed: \w+") as e:
+    c.save(2, _state(mesh8, seed=2), {"step": 2}, force=True)
+    c.wait()
+  assert "\n" not in str(e.value) and e.value.__cause__ is None
+  c.close()  # logs, does not raise again

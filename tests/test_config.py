@@ -17,7 +17,8 @@ from rlax import config as config_lib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Every configs/*.py with every argument its docstring or get_config documents.
 CONFIGS = [("base", None), ("demo", None), ("demo", "smoke"), ("demo", "tiny"),
-           *[("algorithm", a) for a in ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "cispo")],
+           *[("algorithm", a) for a in ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+                                        "gspo", "cispo", "ppo")],
            ("paper_qwq32b", None), ("paper_qwq32b", "32k"), ("paper_qwq32b", "tiny"), ("v5p_128", None),
            ("v5p_128", "tiny"), ("v5p_512", None), ("v5p_512", "tiny"), ("smollm2", None), ("smollm2", "smoke")]
 
@@ -61,9 +62,11 @@ def test_relative_workdir_becomes_absolute(tmp_path, monkeypatch):
     ("rollout.top_p", 0.0, "rollout.top_p"),
     ("eval.n_samples", 0, "eval.n_samples"),
     ("optimizer.micro_batches", 3, "optimizer.micro_batches=3 does not divide"),
-    ("algorithm.name", "ppo", "algorithm.name='ppo'"),
+    ("algorithm.name", "ppo2", "unknown algorithm 'ppo2'"),
+    ("algorithm.overrides", {"critic_init": "x"}, "critic_init='x'"),
     ("workdir", "", "workdir"),
     ("param_server.bucket", "layers", "param_server.bucket"),
+    ("controller.on_nonfinite", "ignore", "controller.on_nonfinite='ignore': use 'skip' or 'stop'"),
 ])
 def test_bad_field_is_one_error_naming_it(path, value, match):
   c = demo.get_config("tiny")
@@ -117,3 +120,15 @@ def test_base_config_has_only_typed_fields():
   for name, cls in typed.items():
     assert set(c[name].keys()) == {f.name for f in dataclasses.fields(cls)}, name
   assert isinstance(c, ml_collections.ConfigDict)
+
+
+def test_workdir_that_cannot_be_a_directory_fails_at_load(tmp_path):
+  c = demo.get_config("tiny")
+  (tmp_path / "file").write_text("")
+  for workdir in (tmp_path / "file", tmp_path / "file" / "run"):
+    c.workdir = str(workdir)
+    with pytest.raises(ValueError, match=re.escape(f"workdir={str(workdir)!r}: {str(tmp_path / 'file')!r} exists "
+                                                   "and is not a directory")):
+      config_lib.load(c)
+  c.workdir = str(tmp_path / "new" / "run")  # not there yet: created by the run
+  assert config_lib.load(c).workdir == str(tmp_path / "new" / "run")

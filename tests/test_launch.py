@@ -144,3 +144,57 @@ def test_config_overrides_reach_the_launched_jobs():
   assert xm_launch.job_args("c.py", "optimizer.lr=1,2", {"config.seed": "3"}) == [
       {"config": "c.py", "config.seed": "3", "config.optimizer.lr": "1"},
       {"config": "c.py", "config.seed": "3", "config.optimizer.lr": "2"}]
+
+
+_ENV = {**os.environ, "RLAX_TCMALLOC": "0"}
+
+
+@pytest.mark.parametrize("args,want", [
+    (["--config=/nonexistent/cfg.py"],
+     "rlax: bad command line: --config=/nonexistent/cfg.py: [Errno 2] No such file or directory: "
+     "'/nonexistent/cfg.py'"),
+    (["--config.model.overrides.dtipe=bfloat16"], "rlax: bad config: model: unknown model config field(s): dtipe"),
+    (["--config.controller.on_nonfinite=maybe"], "rlax: bad config: controller.on_nonfinite='maybe'"),
+    (["--config.workdir=/proc/version/run"], "rlax: bad config: workdir='/proc/version/run': '/proc/version' "
+                                             "exists and is not a directory"),
+    (["--config.rollout.max_prompt_len=6"], "rlax: bad config: rollout.max_prompt_len=6 is shorter than"),
+])
+def test_main_bad_input_is_one_line(args, want):
+  r = _run("-m", "launch.main", "--config=configs/demo.py:tiny", "--progress=false", *args, env=_ENV)
+  lines = [ln for ln in r.stderr.splitlines() if not ln.startswith(("I1", "W1"))]
+  assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(want), r.stderr[-3000:]
+
+
+def test_model_overrides_the_config_file_does_not_set_are_accepted():
+  """`--config.model.overrides.dtype=bfloat16` on a config whose overrides dict has no `dtype` key."""
+  code = ("import sys; from absl import flags; from launch import flags_util as f\n"
+          "C = f.define_config(f.DEMO_CONFIG); f.parse_or_exit(sys.argv)\n"
+          "print(dict(C.value.model.overrides), f.config_args()['config.model.overrides.dtype'])\n")
+  r = _run("-c", code, "--config=configs/demo.py:tiny", "--config.model.overrides.dtype=bfloat16",
+           "--config.model.overrides.d_model=64", env=_ENV)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "'dtype': 'bfloat16'" in r.stdout and "'d_model': 64" in r.stdout and r.stdout.split()[-1] == "bfloat16"
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_signal_during_the_warm_start_checkpoints_it(tmp_path, sig):
+  """Ctrl-C is a preemption notice like SIGTERM: the warm start stops, is saved, and the run says so (exit 0)."""
+  import signal
+  import time
+  err_path = tmp_path / "stderr.txt"
+  with open(err_path, "w") as err_file:
+    proc = subprocess.Popen([sys.executable, "-m", "launch.main", "--config=configs/demo.py:tiny", "--progress=false",
+                             f"--config.workdir={tmp_path / 'run'}", "--config.init.sft_steps=100000",
+                             "--config.init.sft_batch=8"],
+                            cwd=ROOT, env=_ENV, stdout=subprocess.PIPE, stderr=err_file, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None and "sft step 1/" not in err_path.read_text():
+      time.sleep(0.5)
+    proc.send_signal(getattr(signal, sig))
+    out, _ = proc.communicate(timeout=120)
+  err = err_path.read_text()
+  assert proc.returncode == 0, err[-3000:]
+  summary = json.loads(out.splitlines()[-1])
+  assert summary["preempted"] and summary["steps"] == 0 and summary["sft_steps_done"] > 0, out
+  assert os.listdir(tmp_path / "run" / "checkpoints_sft") == [str(summary["sft_steps_done"])]
+  assert "Traceback" not in err and "grace period" not in err

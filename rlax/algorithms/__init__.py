@@ -5,6 +5,7 @@ from rlax.algorithms.advantages import (dr_grpo_advantages, gae_advantages, grpo
 from rlax.algorithms.aggregation import AGG_MODES, aggregate, denominators
 from rlax.algorithms.off_policy import IS_MODES, importance_weights
 from rlax.algorithms.policy_losses import POLICY_LOSSES, cispo_loss, gspo_loss, ppo_loss, reinforce_loss
-from rlax.algorithms.registry import ESTIMATORS, AlgorithmConfig, get_algorithm, known_algorithms
+from rlax.algorithms.registry import (ESTIMATORS, TOKEN_ESTIMATORS, AlgorithmConfig, get_algorithm,
+                                      known_algorithms)
 from rlax.algorithms.regularizers import (KL_ESTIMATORS, clipped_value_loss, entropy_bonus, kl_estimate,
                                           kl_penalized_rewards)

@@ -1,4 +1,4 @@
-"""Advantage estimators: group-relative (GRPO, Dr. GRPO, RLOO), REINFORCE++ and GAE.
+"""Advantage estimators: group-relative (GRPO, Dr. GRPO, RLOO), REINFORCE++ (per token) and GAE.
 
 Group convention (one for all of rlax): `rewards` is [B] with B = P * G, laid
 out as P prompt groups of G contiguous rows (rows p*G .. p*G+G-1 are the G
@@ -62,21 +62,51 @@ def rloo_advantages(rewards: Float[Array, "B"], group_size: int) -> Float[Array,
   return _zero_if_flat(g - loo, g).reshape(-1)
 
 
-def reinforce_pp_advantages(rewards: Float[Array, "B"], group_size: int | None = None,
-                            eps: float = 1e-6) -> Float[Array, "B"]:
-  """REINFORCE++ (Hu 2025, arXiv 2501.03262): A = (r - mean_batch r) / (std_batch r + eps).
+def reinforce_pp_advantages(rewards: Float[Array, "B"], group_size: int | None = None, eps: float = 1e-6, *,
+                            mask: Float[Array, "B T"] | None = None, kl: Float[Array, "B T"] | None = None,
+                            beta: float = 0.0) -> Float[Array, "B"] | Float[Array, "B T"]:
+  """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262): per-token A_t = r - beta * sum_{i>=t} KL_i, batch-normalized.
 
-  Global batch normalization instead of per-group. With `group_size`, the group
-  mean is subtracted first ("REINFORCE++-baseline"), then the batch is
-  normalized. [B] -> [B]; an all-equal batch gives 0.
+  The KL penalty is "KL to go": token t carries the KL of itself and every later
+  response token (eq. 4 of the paper), so early tokens pay for what follows. The
+  advantages are then normalized by the mean and population std over **all
+  scored tokens of the batch** (its section 3.2), so a long response weighs more
+  than a short one. `mask` [B, T]: scored tokens (the output is 0 elsewhere);
+  `kl` [B, T]: per-token KL estimate (None: no penalty). Without `mask` the
+  output is [B], every sequence counted once (one token each).
+
+  `group_size` = G >= 2 subtracts the group mean reward first (the paper's
+  "REINFORCE++-baseline"); None is plain REINFORCE++. A batch whose advantages
+  are all equal gives exactly 0.
   """
   chex.assert_rank(rewards, 1)
   a = rewards.astype(jnp.float32)
   if group_size is not None:
+    if group_size < 2:
+      raise ValueError(f"REINFORCE++-baseline needs group_size >= 2 for a group mean, got {group_size}")
     a = dr_grpo_advantages(a, group_size)
-  centred = a - jnp.mean(a)
-  std = jnp.sqrt(jnp.mean(centred * centred))
-  return _zero_if_flat((centred / (std + eps))[None], a[None])[0]
+  if mask is None:
+    if kl is not None:
+      raise ValueError("reinforce_pp_advantages: a per-token kl needs the mask of scored tokens")
+    a, m = a[:, None], jnp.ones((a.shape[0], 1), jnp.float32)
+  else:
+    chex.assert_rank(mask, 2)
+    chex.assert_axis_dimension(mask, 0, a.shape[0])
+    m = mask.astype(jnp.float32)
+    a = jnp.broadcast_to(a[:, None], m.shape)
+    if kl is not None:
+      chex.assert_equal_shape([kl, mask])
+      kl_to_go = jnp.flip(jnp.cumsum(jnp.flip(kl.astype(jnp.float32) * m, 1), axis=1), 1)
+      a = a - beta * kl_to_go
+  n = jnp.maximum(jnp.sum(m), 1.0)
+  mean = jnp.sum(a * m) / n
+  centred = (a - mean) * m
+  std = jnp.sqrt(jnp.sum(centred * centred) / n)
+  # As in _zero_if_flat: equal advantages on every scored token carry no signal; exactly 0, not rounding noise.
+  hi = jnp.max(jnp.where(m > 0, a, -jnp.inf))
+  lo = jnp.min(jnp.where(m > 0, a, jnp.inf))
+  out = jnp.where(hi == lo, 0.0, centred / (std + eps))
+  return out[:, 0] if mask is None else out
 
 
 def gae_advantages(rewards: Float[Array, "B T"], values: Float[Array, "B T"], mask: Float[Array, "B T"],

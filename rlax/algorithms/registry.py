@@ -5,7 +5,7 @@
     adv = algo.advantages(rewards, group_size=8)      # [B]
     loss_tok, info = algo.token_loss(logp, old_logp, adv, mask)
 
-Known names: grpo, dr_grpo, dapo, rloo, reinforce_pp, gspo, cispo, ppo.
+Known names: grpo, dr_grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, gspo, cispo, ppo.
 """
 
 from __future__ import annotations
@@ -20,21 +20,27 @@ from rlax.algorithms.aggregation import AGG_MODES
 from rlax.algorithms.off_policy import IS_MODES
 from rlax.algorithms.regularizers import KL_ESTIMATORS
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+# Estimators whose advantage is per token ([B, T]) given the scored-token mask (KL to go, token-level norm).
+TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")
 
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
   """Everything that defines an RL objective; validated at construction (a bad field raises ValueError).
 
-  advantage: one of ESTIMATORS ("gae" needs `has_value_model`, and the trainer then
-    expects precomputed advantages in the batch). policy_loss: ppo | gspo | cispo | reinforce.
+  advantage: one of ESTIMATORS ("gae" needs `has_value_model`: the trainer then computes GAE with its
+    value model, rlax.trainer.critic). policy_loss: ppo | gspo | cispo | reinforce.
   loss_agg: token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (`max_len` is the
-    Dr. GRPO constant; None = the batch's T). kl_coef/kl_estimator: KL-to-reference term;
-    `kl_in_reward` subtracts it from the reward instead of adding it to the loss.
+    Dr. GRPO constant, the generation budget; None = the batch's response slots, T - prompt_len).
+    kl_coef/kl_estimator: KL-to-reference term; `kl_in_reward` subtracts it from the reward (per token
+    for REINFORCE++ and PPO, computed with the old policy's log-probs) instead of adding it to the loss.
   off_policy/is_cap: TIS/MIS correction between sampler and trainer log-probs.
   old_policy: "recompute" (ratio against the trainer's log-probs at step start) or
     "behaviour" (against the sampler's log-probs; then no separate IS correction applies).
+  PPO's value model (has_value_model): GAE(gamma, lam) over token rewards, clipped value loss
+    (value_clip); its own AdamW at critic_lr; initialized from the starting policy ("policy") or a HF
+    directory of the policy's architecture ("hf:<dir>"); the first value_warmup_steps steps train only it.
   """
   name: str = "grpo"
   advantage: str = "grpo"
@@ -56,6 +62,9 @@ class AlgorithmConfig:
   gamma: float = 1.0
   lam: float = 0.95
   value_clip: float = 0.2
+  critic_lr: float = 1e-4
+  critic_init: str = "policy"
+  value_warmup_steps: int = 0
 
   def __post_init__(self):
     def one_of(field, options):
@@ -85,22 +94,34 @@ class AlgorithmConfig:
       raise ValueError("old_policy='behaviour' already takes the ratio against the sampler; set off_policy='none'")
     if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
       raise ValueError(f"gamma={self.gamma} and lam={self.lam} must lie in [0, 1]")
+    if self.critic_lr <= 0 or self.value_clip <= 0 or self.value_warmup_steps < 0:
+      raise ValueError(f"critic_lr={self.critic_lr} and value_clip={self.value_clip} must be > 0, "
+                       f"value_warmup_steps={self.value_warmup_steps} >= 0")
+    if self.critic_init != "policy" and not (self.critic_init.startswith("hf:") and len(self.critic_init) > 3):
+      raise ValueError(f"critic_init={self.critic_init!r}: use 'policy' or 'hf:<HF model directory>'")
+    if self.has_value_model != (self.advantage == "gae"):
+      raise ValueError(f"has_value_model={self.has_value_model} goes with advantage='gae' (PPO) only")
     if self.max_len is not None and self.max_len <= 0:
       raise ValueError(f"max_len={self.max_len} must be positive")
 
   def replace(self, **kw) -> "AlgorithmConfig":
     return dataclasses.replace(self, **kw)
 
-  def advantages(self, rewards, group_size: int):
-    """Sequence advantages [B] from rewards [B] (P groups of `group_size` contiguous rows)."""
+  def advantages(self, rewards, group_size: int, mask=None, kl=None):
+    """Advantages from rewards [B] (P groups of `group_size` contiguous rows): [B], or [B, T] for the
+    REINFORCE++ estimators when `mask` [B, T] is given (`kl` [B, T]: per-token KL, penalized with kl_coef)."""
+    if kl is not None and self.advantage not in TOKEN_ESTIMATORS:
+      raise ValueError(f"advantage={self.advantage!r} takes sequence rewards: subtract the KL from them first")
     if self.advantage == "grpo":
       return adv_lib.grpo_advantages(rewards, group_size, self.adv_eps)
     if self.advantage == "dr_grpo":
       return adv_lib.dr_grpo_advantages(rewards, group_size)
     if self.advantage == "rloo":
       return adv_lib.rloo_advantages(rewards, group_size)
-    if self.advantage == "reinforce_pp":
-      return adv_lib.reinforce_pp_advantages(rewards, group_size, self.adv_eps)
+    if self.advantage in TOKEN_ESTIMATORS:
+      # Plain REINFORCE++ has no group baseline (with G = 1 a group mean would zero every advantage).
+      g = group_size if self.advantage == "reinforce_pp_baseline" else None
+      return adv_lib.reinforce_pp_advantages(rewards, g, self.adv_eps, mask=mask, kl=kl, beta=self.kl_coef)
     raise ValueError("advantage='gae' is per token and needs values: pass precomputed advantages "
                      "(rlax.algorithms.gae_advantages) in the batch")
 
@@ -126,7 +147,10 @@ _DEFAULTS = {
     # DAPO: clip-higher (0.2 / 0.28), token-level aggregation, no KL.
     "dapo": dict(advantage="grpo", policy_loss="ppo", loss_agg="token_mean", eps_high=0.28),
     "rloo": dict(advantage="rloo", policy_loss="ppo", loss_agg="token_mean"),
+    # REINFORCE++: per-token KL-to-go in the reward, token-level batch normalization, no group baseline;
+    # "-baseline" (same paper) subtracts the group mean reward first.
     "reinforce_pp": dict(advantage="reinforce_pp", policy_loss="ppo", loss_agg="token_mean"),
+    "reinforce_pp_baseline": dict(advantage="reinforce_pp_baseline", policy_loss="ppo", loss_agg="token_mean"),
     # GSPO: sequence-level ratio with very narrow clip ranges.
     "gspo": dict(advantage="grpo", policy_loss="gspo", loss_agg="seq_mean_token_mean", eps_low=3e-4,
                  eps_high=4e-4),

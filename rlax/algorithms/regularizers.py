@@ -7,7 +7,8 @@ log-ratio d = log pi(y) - log pi_ref(y):
   k2 = d^2 / 2                (biased, low variance; its gradient is the KL's gradient)
   k3 = exp(-d) - 1 + d        (unbiased, always >= 0; GRPO's penalty)
 Use them as a loss term (`aggregate(kl_estimate(...))`, GRPO) or subtracted
-from the reward (`kl_penalized_rewards`, PPO-RLHF / REINFORCE++).
+from the reward (`kl_penalized_rewards`, one sum per sequence; REINFORCE++ and PPO penalize per token,
+see `advantages.reinforce_pp_advantages` and `rlax.trainer.critic`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def kl_penalized_rewards(rewards: Float[Array, "B"], logp: Float[Array, "B T"], 
                          mask: Float[Array, "B T"], beta: float, kind: str = "k1") -> Float[Array, "B"]:
   """Reward shaping r_i - beta * sum_t mask * k(logp, ref_logp) (Ouyang et al. 2022, arXiv 2203.02155).
 
-  Pass detached log-probs: the penalty is a reward, not a gradient path. [B] -> [B].
+  Pass the old policy's detached log-probs: the penalty is a reward, not a gradient path. [B] -> [B].
   """
   chex.assert_rank(rewards, 1)
   chex.assert_axis_dimension(logp, 0, rewards.shape[0])

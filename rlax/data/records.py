@@ -57,7 +57,11 @@ class Record:
       raise ValueError(f"Record {self.id}: prompt must be a string, got {type(self.prompt).__name__}")
     if self.answer is None and not self.tests:
       raise ValueError(f"Record {self.id}: needs a reference `answer` or non-empty `tests`")
-    if self.tests is not None and not isinstance(self.tests, tuple):
+    if self.tests is not None:
+      # A bare string is iterable too: it would become one test per character.
+      if isinstance(self.tests, (str, bytes)) or not all(isinstance(t, str) for t in self.tests):
+        raise ValueError(f"Record {self.id}: tests must be a list of Python statements (strings), "
+                         f"got {self.tests!r:.80}")
       object.__setattr__(self, "tests", tuple(self.tests))
 
   def to_dict(self) -> dict[str, Any]:
@@ -88,15 +92,62 @@ class Record:
     return cls(**d)
 
 
+def _writable(path: str) -> None:
+  """Creates `path`'s directory; a path that cannot be written raises one ValueError naming it."""
+  if os.path.isdir(path):
+    raise ValueError(f"cannot write records to {path}: it is a directory")
+  parent = os.path.dirname(os.path.abspath(path))
+  try:
+    os.makedirs(parent, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"cannot write records to {path}: cannot create directory {parent} "
+                     f"({e.strerror})") from None
+
+
 def write_jsonl(records: Iterable[Record], path: str) -> int:
   """Writes records one JSON object per line; returns how many were written."""
+  _writable(path)
   n = 0
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w", encoding="utf-8") as f:
-    for r in records:
-      f.write(json.dumps(r.to_dict(), ensure_ascii=False) + "\n")
-      n += 1
+  try:
+    with open(path, "w", encoding="utf-8") as f:
+      for r in records:
+        f.write(json.dumps(r.to_dict(), ensure_ascii=False) + "\n")
+        n += 1
+  except OSError as e:
+    raise ValueError(f"cannot write records to {path}: {e.strerror}") from None
   return n
+
+
+def write_parquet(records: Iterable[Record], path: str) -> int:
+  """Writes records as Parquet, one column per field (nested ones as JSON text); needs `pyarrow`."""
+  try:
+    import pyarrow as pa  # pylint: disable=g-import-not-at-top
+    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ValueError(f"writing {path} needs pyarrow, which is not installed (pip install pyarrow), "
+                     "or write .jsonl") from None
+  _writable(path)
+  rows = [r.to_dict() for r in records]
+  for row in rows:  # free-form dicts have no fixed Parquet type; `_row` parses them back
+    row["metadata"] = json.dumps(row["metadata"], ensure_ascii=False)
+    # Every row needs every column: pyarrow takes the column names from the first row.
+    row["messages"] = None if row.get("messages") is None else json.dumps(row["messages"],
+                                                                          ensure_ascii=False)
+  try:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+  except OSError as e:
+    raise ValueError(f"cannot write records to {path}: {e}") from None
+  return len(rows)
+
+
+def write_records(records: Iterable[Record], path: str) -> int:
+  """Writes `.jsonl` (or `.json`) or `.parquet`, by the file's suffix; returns the record count."""
+  _writable(path)
+  if path.endswith((".jsonl", ".json")):
+    return write_jsonl(records, path)
+  if path.endswith(".parquet"):
+    return write_parquet(records, path)
+  raise ValueError(f"unsupported record file {path!r}: expected .jsonl or .parquet")
 
 
 def _row(d: Any, where: str) -> Record:
@@ -104,6 +155,12 @@ def _row(d: Any, where: str) -> Record:
     raise ValueError(f"{where}: bad record: expected a JSON object, got {type(d).__name__}")
   d = {k: v for k, v in d.items() if v is not None}
   d.setdefault("id", where)
+  for key in ("metadata", "messages"):  # Parquet files written by `write_parquet` hold JSON text
+    if isinstance(d.get(key), str):
+      try:
+        d[key] = json.loads(d[key])
+      except json.JSONDecodeError:
+        raise ValueError(f"{where}: bad record: {key} is a string, not a JSON object") from None
   try:
     return Record.from_dict(d)
   except (ValueError, TypeError) as e:
@@ -112,8 +169,13 @@ def _row(d: Any, where: str) -> Record:
 
 def iter_jsonl(path: str) -> Iterator[Record]:
   """Yields the records of a JSONL file; a malformed line raises naming file and line number."""
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
+  with open(path, "rb") as f:  # decoded per line, so bad bytes are reported with their line
+    for lineno, raw in enumerate(f, 1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: bad record: not UTF-8 text ({e.reason} at byte "
+                         f"{e.start} of the line)") from None
       if not line.strip():
         continue
       try:

@@ -126,12 +126,33 @@ def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   return out
 
 
+def _read_json(fname: str) -> dict[str, Any]:
+  """The JSON object in `fname`; a file that is not one raises one ValueError naming it."""
+  try:
+    with open(fname, encoding="utf-8") as f:
+      d = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{fname}: not valid JSON ({e})") from None
+  if not isinstance(d, dict):
+    raise ValueError(f"{fname}: expected a JSON object, got {type(d).__name__}")
+  return d
+
+
+def _safe_open(fname: str):
+  """`safe_open(fname)`, with a truncated or corrupt file named in the error."""
+  try:
+    return safe_open(fname, framework="numpy")
+  except Exception as e:  # safetensors raises its own SafetensorError (not exported) or OSError
+    raise ValueError(f"{fname}: not a readable safetensors file ({e})") from None
+
+
 def _tensor_files(path: str) -> dict[str, str]:
   """HF tensor name → safetensors file, from the index json or by scanning the files."""
   index = os.path.join(path, _INDEX)
   if os.path.exists(index):
-    with open(index) as f:
-      weight_map = json.load(f)["weight_map"]
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise ValueError(f"{index}: has no 'weight_map' object")
     for fname in sorted(set(weight_map.values())):
       if not os.path.exists(os.path.join(path, fname)):
         raise ValueError(f"{index} names {fname}, which does not exist")
@@ -141,7 +162,7 @@ def _tensor_files(path: str) -> dict[str, str]:
     raise FileNotFoundError(f"no *.safetensors files in {path}")
   out = {}
   for fname in files:
-    with safe_open(fname, framework="numpy") as f:
+    with _safe_open(fname) as f:
       for k in f.keys():
         if k in out:
           raise ValueError(f"tensor {k!r} appears in both {out[k]} and {fname}")
@@ -154,9 +175,12 @@ def read_config(path: str, dtype=None) -> ModelConfig:
   cfg_file = os.path.join(path, "config.json")
   if not os.path.exists(cfg_file):
     raise FileNotFoundError(f"no config.json in {path}")
-  with open(cfg_file) as f:
-    hf = json.load(f)
-  return config_from_hf(hf, dtype=None if dtype is None else jnp.dtype(dtype).name)
+  hf = _read_json(cfg_file)
+  dtype = None if dtype is None else jnp.dtype(dtype).name
+  try:
+    return config_from_hf(hf, dtype=dtype)
+  except (ValueError, TypeError) as e:  # a field of the wrong type or value
+    raise ValueError(f"{cfg_file}: {e}") from None
 
 
 def load_checkpoint(path: str, mesh: Optional[Mesh] = None, dtype=None, rules=sharding.RULES,
@@ -183,7 +207,7 @@ def load_checkpoint(path: str, mesh: Optional[Mesh] = None, dtype=None, rules=sh
   files = _tensor_files(path)
   expected = _expected(cfg)
   with contextlib.ExitStack() as stack:
-    handles = {f: stack.enter_context(safe_open(f, framework="numpy")) for f in sorted(set(files.values()))}
+    handles = {f: stack.enter_context(_safe_open(f)) for f in sorted(set(files.values()))}
     problems = []
     for name, shape in expected.items():
       if name not in files:

@@ -1,4 +1,5 @@
-"""Verifiers and rewards: math-verify, text matches, Countdown, sandboxed code, and a thread pool.
+"""Verifiers and rewards: math-verify, text matches, Countdown, sandboxed code, and a pool of grading
+processes.
 
 `reward_fn(completion, record) -> (reward, info)` everywhere; `registry.get(name)` selects one, and
 `build(name, answer=..., format_weight=...)` adds a final-answer mode and a format bonus.

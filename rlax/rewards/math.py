@@ -10,16 +10,29 @@ of the completion is graded is the answer mode (`text.ANSWER_MODES`):
 * 'boxed' / 'last_number' / 'answer_tag': only that part (`text.extract_final`); nothing else in
   the completion can earn the reward.
 
-math-verify's own timeouts use SIGALRM, which only works on the main thread, and graders run in the
-verifier pool's threads — so both are disabled here and the pool's per-call timeout bounds a
-pathological input instead.
+math-verify's own timeouts use SIGALRM, which only works on the main thread and cannot interrupt
+one long C-level operation (`9^{9^{9^{9}}}` is a bigint power) — so both are disabled here, and the
+verifier pool's per-item deadline, which kills the grading process, bounds a pathological input.
 """
 
 from __future__ import annotations
 
+import logging
+
 import math_verify
 
 from rlax.rewards import text as text_rewards
+
+
+class _QuietDisabledTimeout(logging.Filter):
+  """Drops math-verify's "Timeout is disabled" warning: disabling it is deliberate (see above)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+  logging.getLogger(_name).addFilter(_QuietDisabledTimeout())
 
 
 def _parse(s: str):

@@ -20,9 +20,7 @@ import numpy as np
 
 from rlax.data import expr
 
-_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-_FORMAT = re.compile(r"^\s*(?:<think>.*?</think>\s*)?.*?<answer>.+?</answer>\s*$", re.DOTALL)
 
 ANSWER_MODES = ("auto", "boxed", "last_number", "answer_tag")
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -44,22 +42,32 @@ def check_answer_mode(mode: str) -> str:
   return mode
 
 
-def _boxes(text: str) -> list[tuple[int, int, str]]:
-  """(start, end, content) of each complete top-level box, braces matched; unclosed ones skipped."""
+_BRACE = re.compile(r"\\.|[{}]", re.DOTALL)  # `\{` and `\}` are literal braces, not grouping
+
+
+def _closing_braces(text: str) -> dict[int, int]:
+  """Index of each `{` -> index of its matching `}`; unclosed ones are absent. One pass: policies
+  write thousands of unclosed boxes, and scanning from each one to the end would be quadratic."""
+  close, stack = {}, []
+  for m in _BRACE.finditer(text):
+    c = m.group()
+    if c == "{":
+      stack.append(m.start())
+    elif c == "}" and stack:
+      close[stack.pop()] = m.start()
+  return close
+
+
+def _boxes(text: str, close: dict[int, int]) -> list[tuple[int, int, int]]:
+  """(start, end, content start) of each complete top-level box, braces matched (`close` from
+  `_closing_braces(text)`); unclosed ones skipped, and a later box inside one still counts."""
   out, pos = [], 0
-  while (m := _BOX.search(text, pos)) is not None:
-    depth, i = 1, m.end()
-    while i < len(text) and depth:
-      if text[i] == "\\":
-        i += 2  # `\{` and `\}` are literal braces, not grouping
-        continue
-      depth += (text[i] == "{") - (text[i] == "}")
-      i += 1
-    if depth:  # truncated output: a later box may still be complete
-      pos = m.end()
+  for m in _BOX.finditer(text):
+    end = close.get(m.end() - 1)
+    if m.start() < pos or end is None:
       continue
-    out.append((m.start(), i, text[m.end():i - 1]))
-    pos = i
+    out.append((m.start(), end + 1, m.end()))
+    pos = end + 1
   return out
 
 
@@ -68,16 +76,25 @@ def extract_boxed(completion: str) -> str | None:
 
   Braces nest (`\\boxed{\\frac{1}{2}}` gives `\\frac{1}{2}`); a box inside a box is part of the outer
   one, except that a box whose whole content is one box is unwrapped (`\\boxed{\\boxed{3}}` gives 3).
-  An unclosed box (a truncated completion) is ignored.
+  An unclosed box (a truncated completion) is ignored. Linear in the length of the completion.
   """
-  boxes = _boxes(completion)
-  found = boxes[-1][2].strip() if boxes else None
-  while found:
-    inner = _boxes(found)
-    if len(inner) != 1 or inner[0][:2] != (0, len(found)):
+  close = _closing_braces(completion)
+  boxes = _boxes(completion, close)
+  if not boxes:
+    return None
+  _, end, start = boxes[-1]
+  end -= 1  # the content is completion[start:end]
+  while True:
+    while start < end and completion[start].isspace():
+      start += 1
+    while end > start and completion[end - 1].isspace():
+      end -= 1
+    inner = _BOX.match(completion, start)
+    if start == end or inner is None or close.get(inner.end() - 1) != end - 1:
       break
-    found = inner[0][2].strip()
-  return found or None
+    start = inner.end()
+    end -= 1
+  return completion[start:end] or None
 
 
 def extract_last_number(completion: str) -> str | None:
@@ -128,9 +145,19 @@ def has_answer_format(completion: str, mode: str = "auto") -> bool:
 
 
 def extract_tag(completion: str) -> str | None:
-  """Content of the last `<answer>...</answer>`, stripped, or None."""
-  found = _TAG.findall(completion)
-  return found[-1].strip() if found else None
+  """Content of the last `<answer>...</answer>`, stripped, or None.
+
+  Tags pair as a non-greedy regex would pair them (each `<answer>` with the first `</answer>` after
+  it, scanning on from there), found with `str.find` so that thousands of unclosed tags cost one pass
+  instead of a regex scan to the end from each of them.
+  """
+  found, pos = None, 0
+  while (start := completion.find("<answer>", pos)) >= 0:
+    end = completion.find("</answer>", start + 8)
+    if end < 0:
+      break  # no later tag can close either
+    found, pos = (start + 8, end), end + 9
+  return None if found is None else completion[found[0]:found[1]].strip()
 
 
 def extract_answer(completion: str) -> str | None:
@@ -194,7 +221,10 @@ def format_reward(completion: str, record=None) -> tuple[float, dict]:
   """1.0 if the completion is (optional `<think>…</think>`) text ending in one non-empty
   `<answer>…</answer>`."""
   n_tags = completion.count("<answer>")
-  ok = n_tags == 1 and bool(_FORMAT.match(completion))
+  # What `^\s*(<think>.*?</think>\s*)?.*?<answer>.+?</answer>\s*$` (DOTALL) accepts, without its
+  # quadratic backtracking: the one tag has content and its last closing tag ends the text.
+  start, end = completion.find("<answer>"), completion.rfind("</answer>")
+  ok = n_tags == 1 and end >= start + 9 and not completion[end + 9:].strip()
   return float(ok), {"reason": "ok" if ok else f"bad format ({n_tags} answer tags)"}
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from absl import logging
 import numpy as np
@@ -25,7 +25,9 @@ def sft_batch(render: PromptRenderer, records: Sequence[Record], style: str, pro
   toks = np.zeros((B, T), np.int32)
   mask = np.zeros((B, T), bool)
   for i, r in enumerate(records):
-    p = render.encode(r)[-prompt_len:]
+    p = render.encode(r)
+    if len(p) > prompt_len:  # never train on a cut prompt (the controller drops those before the warm start)
+      raise ValueError(f"record {r.id}: its prompt has {len(p)} tokens, more than rollout.max_prompt_len={prompt_len}")
     a = response_ids(render.tokenizer, sft_target(r, style))[:response_len]
     toks[i, prompt_len - len(p):prompt_len] = p
     toks[i, prompt_len:prompt_len + len(a)] = a
@@ -34,12 +36,25 @@ def sft_batch(render: PromptRenderer, records: Sequence[Record], style: str, pro
 
 
 def sft_warm_start(trainer, state, render: PromptRenderer, records: Sequence[Record], *, steps: int, batch: int, style: str,
-                   prompt_len: int, response_len: int, log_every: int = 50):
-  """`steps` supervised updates over `records` (in order, wrapping); returns the new state."""
-  for s in range(steps):
+                   prompt_len: int, response_len: int, log_every: int = 50, start: int = 0,
+                   should_stop: Callable[[], bool] = lambda: False) -> tuple[Any, int]:
+  """Supervised updates `start`..`steps`-1 over `records` (in order, wrapping) → (state, steps done).
+
+  Stops early, between updates, once `should_stop()` (a preemption notice): the caller checkpoints the
+  state with the count so that a restart continues from there. A non-finite loss or gradient leaves the
+  state unchanged (trainer.state.apply_gradients) and is logged.
+  """
+  skipped = 0.0
+  for s in range(start, steps):
+    if should_stop():
+      logging.warning("sft warm start stopped after %d/%d steps", s, steps)
+      return state, s
     lo = (s * batch) % max(1, len(records) - batch)
     state, m = trainer.sft_step(state, sft_batch(render, records[lo:lo + batch], style, prompt_len,
                                                  response_len))
+    skipped = skipped + (1.0 - m["finite"])  # on the device: no host sync per update
     if s % log_every == 0 or s == steps - 1:
       logging.info("sft step %d/%d: loss %.4f", s + 1, steps, float(m["loss"]))
-  return state
+      if float(skipped):
+        logging.warning("sft: %d non-finite updates skipped so far", int(skipped))
+  return state, steps

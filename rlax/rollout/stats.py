@@ -60,8 +60,8 @@ def rollout_stats(lengths, truncated, rewards, sources: Sequence[str],
     raise ValueError(f"lengths must be finite non-negative numbers, got {lengths[:8]}")
   if truncated.dtype != bool:
     raise ValueError(f"truncated must be bool (see truncated_from_finish_reason), got {truncated.dtype}")
-  if rewards.dtype.kind not in "iuf" or not np.isfinite(rewards).all():
-    raise ValueError(f"rewards must be finite numbers, got {rewards[:8]}")
+  if rewards.dtype.kind not in "iuf":
+    raise ValueError(f"rewards must be numbers, got {rewards[:8]}")
   if not all(isinstance(s, str) and s for s in sources):
     raise ValueError("sources must be non-empty strings, one per row")
   if isinstance(success, bool) or not isinstance(success, (int, float)) or not np.isfinite(success):
@@ -70,8 +70,12 @@ def rollout_stats(lengths, truncated, rewards, sources: Sequence[str],
   p50, p95 = np.percentile(lengths, [50, 95])
   stats = {"response_len_mean": float(lengths.mean()), "response_len_p50": float(p50),
            "response_len_p95": float(p95), "truncation_rate": float(truncated.mean())}
+  # A non-finite reward is counted, not raised: the controller skips or stops on it (controller.on_nonfinite).
+  finite = np.isfinite(rewards)
+  if not finite.all():
+    stats["reward_nonfinite"] = float((~finite).sum())
   for source in sorted(set(sources)):
-    mine = rewards[sources == source]
-    stats[f"reward/{source}"] = float(mine.mean())
-    stats[f"pass_rate/{source}"] = float((mine > success).mean())
+    mine = rewards[(sources == source) & finite]
+    stats[f"reward/{source}"] = float(mine.mean()) if mine.size else float("nan")
+    stats[f"pass_rate/{source}"] = float((mine > success).mean()) if mine.size else float("nan")
   return stats

@@ -42,7 +42,7 @@ from rlax.rollout.remote import RemoteSink, RemoteSource
 from rlax.rollout.sft import sft_warm_start
 from rlax.runtime import failover
 from rlax.runtime.preemption import Preemption
-from rlax.runtime.run_state import RunState
+from rlax.runtime.run_state import NonFiniteError, RunState
 from rlax.topology import SliceLostError, build_topology
 
 
@@ -58,7 +58,10 @@ class Controller:
                reward_fn=None):
     run = config if isinstance(config, config_lib.RunConfig) else config_lib.load(config)
     self.run_cfg = run
-    os.makedirs(run.workdir, exist_ok=True)
+    try:
+      os.makedirs(run.workdir, exist_ok=True)
+    except OSError as e:  # a read-only filesystem, or a race with the check in config.validate
+      raise ValueError(f"workdir={run.workdir!r}: {e.strerror}") from None
     self.workdir = run.workdir
     self.tokenizer = tokenizer or builders.tokenizer(run)
     if self.tokenizer.vocab_size > run.model.vocab_size:
@@ -70,6 +73,11 @@ class Controller:
     self.train_records, dropped = self.render.fitting(train, run.rollout.max_prompt_len)
     self.eval_records, dropped_eval = self.render.fitting(held, run.rollout.max_prompt_len)
     self.prompts_dropped = {"train": dropped, "eval": dropped_eval}
+    if (dropped or dropped_eval) and records is None and not run.data.train_files:
+      # A built-in task's prompts come from one generator: dropping the longer ones would skew the task.
+      longest = max(len(self.render.encode(r)) for r in [*train, *held])
+      raise ValueError(f"rollout.max_prompt_len={run.rollout.max_prompt_len} is shorter than {dropped + dropped_eval} "
+                       f"of task {run.data.task!r}'s prompts (the longest has {longest} tokens); raise it to {longest}")
     if dropped or dropped_eval:
       logging.warning("dropped %d train and %d eval prompts longer than rollout.max_prompt_len=%d tokens",
                       dropped, dropped_eval, run.rollout.max_prompt_len)
@@ -126,15 +134,37 @@ class Controller:
     self.preemption.request()
 
   # -- pieces of the loop --------------------------------------------------------------------------------------
-  def _warm_start(self, state):
+  def _warm_start(self, state) -> tuple[Any, int]:
+    """The SFT warm start → (RL train state on its weights, SFT steps done).
+
+    A preemption notice stops it between updates: its state is checkpointed (RunState.save_sft) and the
+    state returned is None; the next run continues from there.
+    """
     run = self.run_cfg
-    if not run.init.sft_steps:
-      return state
+    steps = run.init.sft_steps
+    if not steps:
+      return state, 0
     sft = builders.sft_trainer(run, self.topo.trainer_mesh)
-    state = sft_warm_start(sft, sft.init_state(state.params), self.render, self.train_records,
-                           steps=run.init.sft_steps, batch=run.init.sft_batch, style=run.data.prompt_style,
-                           prompt_len=run.rollout.max_prompt_len, response_len=run.rollout.max_new_tokens)
-    return self.trainer.init_state(state.params)  # RL starts from fresh optimizer moments on these weights
+    sft_state, done = sft.init_state(state.params), 0
+    saved = self.run_state.restore_sft(sft_state)
+    if saved is not None:
+      done, sft_state = saved
+      logging.info("continuing the SFT warm start after %d/%d steps", done, steps)
+    sft_state, done = sft_warm_start(sft, sft_state, self.render, self.train_records, steps=steps,
+                                     batch=run.init.sft_batch, style=run.data.prompt_style,
+                                     prompt_len=run.rollout.max_prompt_len, response_len=run.rollout.max_new_tokens,
+                                     start=done, should_stop=lambda: self.preemption.requested)
+    if done < steps:
+      self.run_state.save_sft(done, sft_state)
+      logging.warning("checkpointed the SFT warm start after %d/%d steps; run again to continue", done, steps)
+      return None, done
+    return self.trainer.init_state(sft_state.params), done  # RL starts from fresh optimizer moments
+
+  def _nonfinite(self, s: int, what: str) -> None:
+    """controller.on_nonfinite: 'stop' raises NonFiniteError; 'skip' keeps the state and logs the skip."""
+    if self.run_cfg.controller.on_nonfinite == "stop":
+      raise NonFiniteError(f"step {s}: {what} (controller.on_nonfinite='stop'; 'skip' skips such batches)")
+    logging.warning("step %d: %s; batch skipped, parameters unchanged (controller.on_nonfinite='skip')", s, what)
 
   def _push(self, params, version: int) -> dict:
     if self.sampler is not None:
@@ -209,11 +239,23 @@ class Controller:
             raise source.error from None
           raise
         t1 = time.perf_counter()
-        batch = self.trainer.place(item.data)
-        if ref_params is not None:
-          batch = batch.replace(ref_logprobs=self.trainer.ref_logprobs(ref_params, batch))
-        state, m = self.trainer.step(state, batch)
-        m = jax.device_get(m)
+        # Rewards are checked on the host, before the batch crosses; a non-finite loss or gradient norm
+        # leaves the state unchanged inside the jitted step (trainer.state.apply_gradients).
+        rewards = np.asarray(item.data.rewards)
+        bad = None if np.isfinite(rewards).all() else (
+            f"{int((~np.isfinite(rewards)).sum())} of {rewards.size} rewards are not finite "
+            f"({', '.join(sorted({str(x) for x in rewards[~np.isfinite(rewards)]}))}; check the reward function)")
+        m = {}
+        if bad is None:
+          batch = self.trainer.place(item.data)
+          if ref_params is not None:
+            batch = batch.replace(ref_logprobs=self.trainer.ref_logprobs(ref_params, batch))
+          state, m = self.trainer.step(state, batch)
+          m = jax.device_get(m)
+          if float(m.pop("finite", 1.0)) < 1:
+            bad = f"the loss ({float(m['loss']):.4g}) or gradient norm ({float(m['grad_norm']):.4g}) is not finite"
+        if bad is not None:
+          self._nonfinite(s, bad)
         t2 = time.perf_counter()
         sync, lost = {}, None
         if (s + 1) % ctl.push_every == 0:
@@ -225,6 +267,7 @@ class Controller:
         row = {k: float(v) for k, v in m.items()}
         row.update(item.stats)
         row.update(sync)
+        row.update(nonfinite_skipped=float(bad is not None))
         row.update(train_s=t2 - t1, trainer_idle_s=wait, sync_total_s=t3 - t2, step_s=t3 - t0,
                    staleness=float(s - item.version), dropped=float(self.dropped + queue.dropped))
         row["tokens_per_s"] = row.get("response_tokens", 0.0) / max(t3 - t0, 1e-9)
@@ -261,15 +304,22 @@ class Controller:
     state = self.trainer.init_state(initial)
     resume = self.run_state.restore(state)
     if resume is None:
+      self.metrics.reset([])  # rows of an earlier attempt that never reached a checkpoint
       start, pending, before = 0, [], None
-      state = self._warm_start(state)
+      state, sft_done = self._warm_start(state)
+      if state is None:
+        return self._stopped_in_warm_start(sft_done, t_start)
       self._data_after = self.data.get_state() if self.data is not None else {}
       ref_params = jax.tree.map(lambda x: x.copy(), state.params) if kl else None
+      if steps > 0:  # step 0 is saved at once: the warm start's work is kept, and a trainer slice lost
+        # before the first periodic checkpoint restarts from these weights
+        self.run_state.save(0, state, pending=[], data_state=self._data_after, version=0, history=[],
+                            eval_before=None, ref_params=ref_params)
     else:
       start, state, pending, before = resume.step, resume.state, resume.pending, resume.eval_before
       # The reference is the policy RL started from, never the resumed one.
       ref_params = (resume.ref_params if self.run_state.with_ref else initial) if kl else None
-      self.metrics.history[:] = resume.history
+      self.metrics.reset(resume.history)  # rows of steps after the checkpoint are trained again
       self._data_after = resume.data_state
       if self.data is not None:
         self.data.set_state(resume.data_state)
@@ -292,7 +342,7 @@ class Controller:
       self.parts, s, state, ref_params, pending = rec.parts, rec.step, rec.state, rec.ref_params, rec.pending
       self.ref_params = ref_params
       if rec.history is not None:  # the trainer restored the newest checkpoint
-        self.metrics.history[:] = rec.history
+        self.metrics.reset(rec.history)
         self._data_after = rec.data_state
       self.data.set_state(rec.data_state)
     self.run_state.wait()
@@ -312,7 +362,8 @@ class Controller:
                "processes": jax.process_count(),
                "model": run.hf_checkpoint or run.model_preset,
                "task": ",".join(run.data.files("train")) or run.data.task,
-               "prompts_dropped": self.prompts_dropped}
+               "prompts_dropped": self.prompts_dropped,
+               "nonfinite_skipped": int(sum(r.get("nonfinite_skipped") or 0 for r in self.metrics.history))}
     if finished:
       if steps > 0:
         summary["export_dir"] = self._export(state.params, os.path.join(self.workdir, "export"))
@@ -321,6 +372,20 @@ class Controller:
       summary.update({"pass1_before": before["pass@1"], "pass1_after": after["pass@1"],
                       f"pass{n}_before": before[f"pass@{n}"], f"pass{n}_after": after[f"pass@{n}"]})
     summary["wall_s"] = time.perf_counter() - t_start
+    with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+      json.dump(summary, f)
+    return summary
+
+  def _stopped_in_warm_start(self, sft_done: int, t_start: float) -> dict:
+    """A preemption notice during the warm start (its progress is saved): end as a preempted run."""
+    if self.channel is not None:  # the sampler process has nothing to produce or evaluate
+      self.channel.set_json("start", {"step": 0, "first": self.run_cfg.controller.steps, "data": None,
+                                      "evaluate": False})
+    self.weights.end()
+    if self.channel is not None:
+      self.channel.set_json("end", {"evaluate": False})
+    summary = {"steps": 0, "preempted": True, "sft_steps_done": sft_done, "processes": jax.process_count(),
+               "wall_s": time.perf_counter() - t_start}
     with open(os.path.join(self.workdir, "summary.json"), "w") as f:
       json.dump(summary, f)
     return summary

@@ -40,9 +40,10 @@ class Preemption:
     logging.warning("preemption notice: checkpointing at the next step boundary (grace %.0fs)", self.grace_seconds)
     self._event.set()
 
-    def overdue():
-      logging.error("grace period of %.0fs exceeded before the checkpoint finished; exiting", self.grace_seconds)
-      os._exit(0)
+    def overdue():  # exit 1: the work since the last checkpoint is lost, which is no success
+      logging.error("grace period of %.0fs exceeded before the checkpoint finished; exiting without it (exit 1)",
+                    self.grace_seconds)
+      os._exit(1)
     self._timer = threading.Timer(self.grace_seconds, overdue)
     self._timer.daemon = True
     self._timer.start()

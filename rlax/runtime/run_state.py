@@ -14,11 +14,30 @@ import os
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rlax import config as config_lib
 from rlax.checkpoint import Checkpointer, IncompatibleCheckpointError, abstract_like, to_json
 from rlax.rollout import Rollout, empty_batch
+
+
+class NonFiniteError(RuntimeError):
+  """A non-finite reward, loss, gradient norm or train state that the run refuses to train on or save."""
+
+
+@jax.jit
+def _finite_on_device(tree: Any) -> jax.Array:
+  ok = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(ok)) if ok else jnp.array(True)
+
+
+def all_finite(tree: Any) -> bool:
+  """Whether every float leaf of `tree` (device or numpy arrays) is finite."""
+  leaves = jax.tree.leaves(tree)
+  if all(isinstance(x, np.ndarray) for x in leaves):
+    return all(np.isfinite(x).all() for x in leaves if np.issubdtype(x.dtype, np.inexact))
+  return bool(jax.device_get(_finite_on_device(tree)))
 
 
 @dataclasses.dataclass
@@ -43,6 +62,8 @@ class RunState:
     self.ckpt = Checkpointer(os.path.join(run.workdir, "checkpoints"), keep=ck.keep,
                              every_steps=ck.every_steps or None, every_seconds=ck.every_seconds or None,
                              processes=solo)
+    self._solo = solo
+    self._sft: Optional[Checkpointer] = None  # the warm start's own checkpoints, opened when first needed
     # Deterministic mode regenerates nothing on resume: the rollouts generated ahead are saved.
     self.n_pending = run.controller.max_staleness if run.deterministic else 0
     # The KL reference is the policy RL started from; after a warm start it exists nowhere else.
@@ -77,6 +98,10 @@ class RunState:
       raise ValueError("this run's checkpoints carry the KL reference policy: pass ref_params")
     if self._via_host:
       state, ref_params = jax.device_get((state, ref_params))
+    # A NaN state would rotate the good checkpoints out (keep-last-N); the trainer's guard should make
+    # this unreachable, so it is an error, never a silent save.
+    if not all_finite(state):
+      raise NonFiniteError(f"refusing to checkpoint step {step}: the train state holds NaN or inf")
     self.ckpt.save(step, self._tree(state, [r.data for r in pending], ref_params), meta, force=True)
 
   def restore(self, state_like: Any) -> Optional[Resume]:
@@ -100,8 +125,46 @@ class RunState:
     return Resume(step, tree["train"], meta["data"], pending, meta["history"], meta.get("eval_before"),
                   tree.get("ref"))
 
+  # -- the SFT warm start (before RL step 0): its own directory, since its optimizer state differs ---------------
+  def _sft_ckpt(self) -> Checkpointer:
+    if self._sft is None:
+      self._sft = Checkpointer(os.path.join(self.run.workdir, "checkpoints_sft"), keep=1, processes=self._solo)
+    return self._sft
+
+  def save_sft(self, done: int, sft_state: Any) -> None:
+    """Saves a warm start stopped after `done` of init.sft_steps updates (preemption) and waits for it."""
+    if self._via_host:
+      sft_state = jax.device_get(sft_state)
+    if not all_finite(sft_state):
+      raise NonFiniteError(f"refusing to checkpoint SFT step {done}: the state holds NaN or inf")
+    ck = self._sft_ckpt()
+    if ck.last_step is None or done > ck.last_step:
+      ck.save(done, {"sft": sft_state}, {"sft_step": done, "model": self._model}, force=True)
+    ck.wait()
+
+  def restore_sft(self, sft_like: Any) -> Optional[tuple[int, Any]]:
+    """(updates done, SFT state) of a warm start stopped by preemption, or None."""
+    if not os.path.isdir(os.path.join(self.run.workdir, "checkpoints_sft")):
+      return None
+    target = abstract_like(sft_like)
+    if self._via_host:
+      target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), target)
+    got = self._sft_ckpt().restore_latest({"sft": target})
+    if got is None:
+      return None
+    step, tree, meta = got
+    if meta.get("model") != self._model:
+      raise IncompatibleCheckpointError(f"SFT checkpoint step {step} was written for model {meta.get('model')}, "
+                                        f"this run's model is {self._model}")
+    state = tree["sft"]
+    if self._via_host:
+      state = jax.device_put(state, jax.tree.map(lambda x: x.sharding, sft_like))
+    return step, state
+
   def wait(self) -> None:
     self.ckpt.wait()
 
   def close(self) -> None:
     self.ckpt.close()
+    if self._sft is not None:
+      self._sft.close()

@@ -24,20 +24,44 @@ class LossInputs:
   ref_logprobs: Optional[jax.Array] = None
 
 
-def batch_advantages(algo: algorithms.AlgorithmConfig, batch: RolloutBatch, group_size: int) -> jax.Array:
-  """The batch's advantages if given, else the estimator's on (optionally KL-shaped) rewards; [B] or [B,T-1]."""
+def kl_reward_old_logprobs(algo: algorithms.AlgorithmConfig) -> bool:
+  """Whether the advantages need the old policy's log-probs recomputed by the trainer: a KL-in-reward
+  penalty is KL(pi_old || pi_ref) (REINFORCE++ eq. 4; Ouyang et al. 2022), and with
+  old_policy="recompute" pi_old is the trainer's policy at step start, not the sampler's."""
+  return algo.kl_coef > 0 and algo.kl_in_reward and algo.old_policy == "recompute"
+
+
+def batch_advantages(algo: algorithms.AlgorithmConfig, batch: RolloutBatch, group_size: int,
+                     old_logprobs: Optional[jax.Array] = None) -> jax.Array:
+  """The batch's advantages if given, else the estimator's on (optionally KL-shaped) rewards; [B] or [B,T-1].
+
+  old_logprobs [B, T-1]: the old policy's log-probs, needed for kl_in_reward when old_policy="recompute"
+  (with "behaviour" the sampler's are the old policy's).
+  """
   if batch.advantages is not None:
     return batch.advantages.astype(jnp.float32)
   rewards = batch.rewards
   if algo.kl_coef > 0 and algo.kl_in_reward:
     if batch.ref_logprobs is None:
       raise ValueError(f"{algo.name}: kl_in_reward needs batch.ref_logprobs (fill with Trainer.ref_logprobs)")
-    rewards = algorithms.kl_penalized_rewards(rewards, batch.behaviour_logprobs, batch.ref_logprobs, batch.loss_mask,
-                                     algo.kl_coef, algo.kl_estimator)
+    if kl_reward_old_logprobs(algo):
+      if old_logprobs is None:
+        raise ValueError(f"{algo.name}: kl_in_reward with old_policy='recompute' needs the old policy's log-probs")
+      old = jax.lax.stop_gradient(old_logprobs)
+    else:
+      old = batch.behaviour_logprobs
+    m = batch.loss_mask.astype(jnp.float32)
+    if algo.advantage in algorithms.TOKEN_ESTIMATORS:  # REINFORCE++: the KL to go from each token
+      kl = algorithms.kl_estimate(old.astype(jnp.float32), batch.ref_logprobs, algo.kl_estimator) * m
+      return algo.advantages(rewards, group_size, mask=m, kl=kl)
+    rewards = algorithms.kl_penalized_rewards(rewards, old, batch.ref_logprobs, m, algo.kl_coef, algo.kl_estimator)
+  if algo.advantage in algorithms.TOKEN_ESTIMATORS:
+    return algo.advantages(rewards, group_size, mask=batch.loss_mask)
   return algo.advantages(rewards, group_size)
 
 
-def loss_inputs(algo: algorithms.AlgorithmConfig, batch: RolloutBatch, group_size: int) -> LossInputs:
+def loss_inputs(algo: algorithms.AlgorithmConfig, batch: RolloutBatch, group_size: int,
+                old_logprobs: Optional[jax.Array] = None) -> LossInputs:
   """The loss's view of a full batch (advantages computed, masks cast); raises if a needed input is missing."""
   needs_ref = algo.kl_coef > 0 and not algo.kl_in_reward
   if needs_ref and batch.ref_logprobs is None:
@@ -45,7 +69,7 @@ def loss_inputs(algo: algorithms.AlgorithmConfig, batch: RolloutBatch, group_siz
   return LossInputs(tokens=batch.tokens, input_mask=batch.input_mask.astype(bool),
                     loss_mask=batch.loss_mask.astype(jnp.float32),
                     behaviour_logprobs=batch.behaviour_logprobs.astype(jnp.float32),
-                    advantages=batch_advantages(algo, batch, group_size),
+                    advantages=batch_advantages(algo, batch, group_size, old_logprobs),
                     ref_logprobs=batch.ref_logprobs)
 
 
@@ -78,7 +102,10 @@ def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmCon
       total = total + algo.kl_coef * kl
   if algo.entropy_coef:
     total = total + algorithms.entropy_bonus(ent, m, algo.entropy_coef)
-  agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, num_rows=num_rows, max_len=algo.max_len)
+  # Dr. GRPO's constant normalizer is the generation budget (arXiv 2503.20783, sec. 3.1): the response slots
+  # after `start`, not T - 1, which would count the prompt's slots too.
+  max_len = algo.max_len or (m.shape[1] - start)
+  agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, num_rows=num_rows, max_len=max_len)
   loss = algorithms.aggregate(total, m, algo.loss_agg, **agg)
 
   tokens = jnp.sum(m)

@@ -18,10 +18,13 @@ MAX_UNROLLED_MICRO_BATCHES = 4
 
 @flax.struct.dataclass
 class TrainState:
-  """step [] int32, params (rlax.models parameter dict), opt_state (the optax state of `params`)."""
+  """step [] int32, params (rlax.models parameter dict), opt_state (the optax state of `params`);
+  critic: PPO's value model as its own TrainState (rlax.trainer.critic), None without one, so that it
+  is donated, checkpointed and restored onto a new mesh with the policy."""
   step: jax.Array
   params: Any
   opt_state: Any
+  critic: Any = None
 
 
 def split_micro_batches(tree: Any, n: int) -> Any:
@@ -67,9 +70,22 @@ def accumulate_gradients(loss_fn: Callable[[Any, Any], tuple[jax.Array, dict]], 
   return grads, loss, metrics
 
 
-def apply_gradients(tx: optax.GradientTransformation, state: TrainState, grads: Any
+def apply_gradients(tx: optax.GradientTransformation, state: TrainState, grads: Any, loss: Any = None
                     ) -> tuple[TrainState, jax.Array]:
-  """One optimizer update; returns the new state and the global gradient norm (before clipping)."""
+  """One optimizer update; returns the new state and the global gradient norm (before clipping).
+
+  A non-finite gradient norm (or `loss`) returns `state` unchanged, step included: one NaN would otherwise
+  reach every parameter and moment. `update_is_finite(loss, grad_norm)` tells the caller it happened.
+  """
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), optax.tree.norm(grads)
+  grad_norm = optax.tree.norm(grads)
+  new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+  ok = update_is_finite(loss, grad_norm)
+  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state), grad_norm
+
+
+def update_is_finite(loss: Any, grad_norm: jax.Array) -> jax.Array:
+  """[] bool: whether `apply_gradients` applied the update (finite gradient norm and loss)."""
+  ok = jnp.isfinite(grad_norm)
+  return ok if loss is None else ok & jnp.all(jnp.isfinite(loss))

@@ -26,11 +26,12 @@ from rlax import algorithms
 from rlax import models
 from rlax.models import sharding as shd
 from rlax.models.init import abstract_params
+from rlax.trainer import critic as critic_lib
 from rlax.trainer import objective as rl
 from rlax.trainer.batch import RolloutBatch, SFTBatch
 from rlax.trainer.optimizer import OptimizerConfig, make_optimizer, make_schedule
 from rlax.trainer.state import (MAX_UNROLLED_MICRO_BATCHES, TrainState, accumulate_gradients, apply_gradients,
-                                split_micro_batches)
+                                split_micro_batches, update_is_finite)
 
 
 def sft_loss(params, model_cfg: models.ModelConfig, batch: SFTBatch, *, num_tokens, chunk: int = 256
@@ -65,6 +66,10 @@ class Trainer:
     self.chunk, self.temperature = logprob_chunk, temperature
     self.tx = make_optimizer(optim)
     self._lr = make_schedule(optim)
+    # PPO's value model has its own AdamW (same betas and clipping, its own learning rate).
+    self.critic_tx = (make_optimizer(OptimizerConfig(lr=algo.critic_lr, b1=optim.b1, b2=optim.b2,
+                                                     max_grad_norm=optim.max_grad_norm))
+                      if algo.has_value_model else None)
     self._state_shardings = self._make_state_shardings()
     # The updated state keeps init_state's exact shardings: an equivalent but unequal spec (P() for P(None))
     # would make the next step a new compile and the plan's lowering a different program.
@@ -77,8 +82,12 @@ class Trainer:
   def _ctx(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-  def _new_state(self, params) -> TrainState:
-    return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
+  def _new_state(self, params, critic_trunk=None) -> TrainState:
+    critic = None
+    if self.algo.has_value_model:
+      c = critic_lib.init_params(params if critic_trunk is None else critic_trunk)
+      critic = TrainState(jnp.zeros((), jnp.int32), c, self.critic_tx.init(c))
+    return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), critic)
 
   def state_shardings(self) -> Optional[TrainState]:
     """TrainState of the shardings `init_state` and the steps produce (None without a mesh): params and
@@ -92,7 +101,14 @@ class Trainer:
     rep = NamedSharding(self.mesh, P())
     opt = jax.eval_shape(self.tx.init, abstract_params(self.model_cfg))
     opt_shard = optax.tree_map_params(self.tx, lambda _, s: s, opt, shard, transform_non_params=lambda _: rep)
-    return TrainState(step=rep, params=shard, opt_state=opt_shard)
+    critic = None
+    if self.algo.has_value_model:
+      cshard = critic_lib.shardings(self.model_cfg, self.mesh)
+      copt = jax.eval_shape(self.critic_tx.init, jax.eval_shape(critic_lib.init_params,
+                                                                abstract_params(self.model_cfg)))
+      critic = TrainState(step=rep, params=cshard, opt_state=optax.tree_map_params(
+          self.critic_tx, lambda _, s: s, copt, cshard, transform_non_params=lambda _: rep))
+    return TrainState(step=rep, params=shard, opt_state=opt_shard, critic=critic)
 
   def abstract_state(self) -> TrainState:
     """TrainState of ShapeDtypeStructs with exactly the shapes, dtypes and shardings of `init_state`'s."""
@@ -143,11 +159,13 @@ class Trainer:
         raise ValueError(f"init_state: {jax.tree_util.keystr(path)} is {x.dtype}{list(x.shape)}, expected "
                          f"{w.dtype}{list(w.shape)} (model.param_dtype)")
     shardings = self.state_shardings()
+    trunk = (critic_lib.load_trunk(self.algo.critic_init, self.model_cfg, self.mesh) if self.algo.has_value_model
+             else None)
     if shardings is None:
-      return jax.jit(self._new_state)(params)
+      return jax.jit(self._new_state)(params, trunk)
     params = jax.device_put(params, shardings.params)
     with self._ctx():
-      return jax.jit(self._new_state, out_shardings=shardings)(params)
+      return jax.jit(self._new_state, out_shardings=shardings)(params, trunk)
 
   def num_micro_batches(self, rows: int, seq_len: int) -> int:
     """Micro-batches of a [rows, seq_len] batch: `micro_batches`, raised to meet `micro_batch_tokens`."""
@@ -172,6 +190,9 @@ class Trainer:
     """
     batch.check(self.group_size)
     self.num_micro_batches(*batch.tokens.shape)
+    if self.algo.has_value_model and getattr(state, "critic", None) is None:
+      raise ValueError(f"{self.algo.name} trains a value model: the state has none (make it with this "
+                       "trainer's init_state)")
     batch = self.place(batch)
     with self._ctx():
       return self._rl(state, batch)
@@ -216,7 +237,17 @@ class Trainer:
     return out
 
   def _rl_step(self, state: TrainState, batch: RolloutBatch):
-    inputs = rl.loss_inputs(self.algo, batch, self.group_size)
+    old = None
+    ppo = self.algo.has_value_model
+    if (batch.advantages is None or ppo) and rl.kl_reward_old_logprobs(self.algo):
+      # KL in the reward is measured from the old policy (the params at step start), not the sampler.
+      old = self._ref_logprobs(state.params, batch.tokens, batch.input_mask, max(batch.prompt_len - 1, 0))
+    targets = None
+    if ppo:
+      targets = self._value_targets(state.critic.params, batch, old)
+      if batch.advantages is None:
+        batch = batch.replace(advantages=targets["advantages"])
+    inputs = rl.loss_inputs(self.algo, batch, self.group_size, old)
     num_tokens, num_seqs = algorithms.denominators(inputs.loss_mask)
 
     def loss_fn(params, mb):
@@ -226,8 +257,68 @@ class Trainer:
 
     n = self.num_micro_batches(*batch.tokens.shape)
     grads, loss, stacked = accumulate_gradients(loss_fn, state.params, inputs, n)
-    new_state, grad_norm = apply_gradients(self.tx, state, grads)
-    return new_state, rl.reduce_metrics(stacked, loss, grad_norm, self._lr(state.step))
+    new_state, grad_norm = apply_gradients(self.tx, state, grads, loss)
+    metrics = {**rl.reduce_metrics(stacked, loss, grad_norm, self._lr(state.step)),
+               "finite": update_is_finite(loss, grad_norm).astype(jnp.float32)}
+    if ppo:
+      new_state, critic_metrics = self._critic_update(state, new_state, batch, targets)
+      metrics.update(critic_metrics)
+    return new_state, metrics
+
+  # -- PPO's value model (rlax.trainer.critic) -------------------------------------------------------------------
+  def _rows_in_micro_batches(self, fn, tokens, input_mask):
+    """fn(tokens, input_mask) -> [rows, T-1], computed micro-batch by micro-batch like the loss."""
+    n = self.num_micro_batches(*tokens.shape)
+    if n == 1:
+      return fn(tokens, input_mask)
+    out = jax.lax.scan(lambda c, mb: (c, fn(*mb)), None, split_micro_batches((tokens, input_mask), n),
+                       unroll=n <= MAX_UNROLLED_MICRO_BATCHES)[1]
+    return jnp.moveaxis(out, 0, 1).reshape(tokens.shape[0], -1)
+
+  def _value_targets(self, critic_params, batch: RolloutBatch, old_logprobs) -> dict:
+    """Old values, GAE advantages and returns [B, T-1] of the batch under the critic at step start."""
+    algo, start = self.algo, max(batch.prompt_len - 1, 0)
+    m = batch.loss_mask.astype(jnp.float32)
+    v_old = jax.lax.stop_gradient(self._rows_in_micro_batches(
+        lambda t, im: critic_lib.values(critic_params, self.model_cfg, t, im.astype(bool), start=start),
+        batch.tokens, batch.input_mask)) * m
+    kl = None
+    if algo.kl_coef > 0 and algo.kl_in_reward:
+      if batch.ref_logprobs is None:
+        raise ValueError(f"{algo.name}: kl_in_reward needs batch.ref_logprobs (fill with Trainer.ref_logprobs)")
+      old = old_logprobs if old_logprobs is not None else batch.behaviour_logprobs
+      kl = algorithms.kl_estimate(jax.lax.stop_gradient(old), batch.ref_logprobs, algo.kl_estimator) * m
+    rewards = critic_lib.token_rewards(batch.rewards, m, kl, algo.kl_coef)
+    adv, ret = critic_lib.advantages(rewards, v_old, m, algo.gamma, algo.lam)
+    return {"old_values": v_old, "returns": ret, "advantages": adv}
+
+  def _critic_update(self, state: TrainState, new_state: TrainState, batch: RolloutBatch, targets: dict):
+    """One critic update on the clipped value loss; during the value warm-up the policy update is dropped."""
+    algo, m = self.algo, batch.loss_mask.astype(jnp.float32)
+    num_tokens = jnp.sum(m)
+    inputs = {"tokens": batch.tokens, "input_mask": batch.input_mask, "loss_mask": m,
+              "old_values": targets["old_values"], "returns": targets["returns"]}
+
+    def loss_fn(cparams, mb):
+      return critic_lib.value_loss(cparams, self.model_cfg, mb, clip=algo.value_clip, num_tokens=num_tokens,
+                                   start=max(batch.prompt_len - 1, 0))
+
+    grads, vloss, stacked = accumulate_gradients(loss_fn, state.critic.params, inputs,
+                                                 self.num_micro_batches(*batch.tokens.shape))
+    critic, critic_norm = apply_gradients(self.critic_tx, state.critic, grads, vloss)
+    warm = state.step < algo.value_warmup_steps
+    if algo.value_warmup_steps:
+      # Value warm-up: the policy keeps its weights and Adam moments until the critic's values are usable.
+      keep = lambda old, new: jax.tree.map(lambda a, b: jnp.where(warm, a, b), old, new)
+      new_state = new_state.replace(params=keep(state.params, new_state.params),
+                                    opt_state=keep(state.opt_state, new_state.opt_state))
+    tokens = jnp.maximum(num_tokens, 1.0)
+    metrics = {"value_loss": vloss, "value_clip_frac": jnp.sum(stacked["value_clipped_sum"]) / tokens,
+               "explained_variance": critic_lib.explained_variance(targets["old_values"], targets["returns"], m),
+               "value_mean": jnp.sum(targets["old_values"]) / tokens,
+               "return_mean": jnp.sum(targets["returns"]) / tokens, "critic_grad_norm": critic_norm,
+               "value_warmup": warm.astype(jnp.float32)}
+    return new_state.replace(critic=critic), metrics
 
   def _sft_step(self, state: TrainState, batch: SFTBatch):
     num_tokens = jnp.sum(batch.loss_mask.astype(jnp.float32))
@@ -237,6 +328,7 @@ class Trainer:
 
     grads, loss, stacked = accumulate_gradients(loss_fn, state.params, batch,
                                                 self.num_micro_batches(*batch.tokens.shape))
-    new_state, grad_norm = apply_gradients(self.tx, state, grads)
+    new_state, grad_norm = apply_gradients(self.tx, state, grads, loss)
     return new_state, {"loss": loss, "grad_norm": grad_norm, "lr": self._lr(state.step),
-                       "tokens": jnp.sum(stacked["tokens"])}
+                       "tokens": jnp.sum(stacked["tokens"]),
+                       "finite": update_is_finite(loss, grad_norm).astype(jnp.float32)}

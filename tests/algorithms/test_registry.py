@@ -6,7 +6,7 @@ import pytest
 
 from rlax import algorithms as A
 
-NAMES = ["cispo", "dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "rloo"]
+NAMES = ["cispo", "dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
 
 
 def test_known_names():

@@ -87,3 +87,33 @@ def test_plain_renderer_and_bad_settings():
     PromptRenderer(tok, instruction="no placeholder")
   with pytest.raises(ValueError, match="brings chat messages"):
     PromptRenderer(tok).text(R.Record(id="m", prompt="", answer="1", messages=({"role": "user", "content": "u"},)))
+
+
+@pytest.mark.parametrize("tests", ["assert f(1)==2", ["assert f(1)==2", 3]])
+def test_tests_must_be_a_list_of_statements(tests):
+  with pytest.raises(ValueError, match="Record 1: tests must be a list of Python statements"):
+    R.Record.from_dict({"id": "1", "prompt": "p", "tests": tests})
+  assert R.Record.from_dict({"id": "1", "prompt": "p", "tests": ["assert f(1)==2"]}).tests == (
+      "assert f(1)==2",)
+
+
+def test_non_utf8_bytes_name_file_and_line(tmp_path):
+  path = tmp_path / "d.jsonl"
+  path.write_bytes(b'{"prompt": "ok", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
+  with pytest.raises(ValueError, match=r"d.jsonl:2: bad record: not UTF-8 text \(invalid continuation "
+                     r"byte at byte 15 of the line\)"):
+    R.read_records(str(path))
+
+
+def test_write_records_by_suffix_and_bad_paths(tmp_path):
+  recs = [R.Record(id="a", prompt="p", answer="1", metadata={"k": [1, 2]}),
+          R.Record(id="b", prompt="q", tests=("assert 1",), messages=({"role": "user", "content": "q"},))]
+  for name in ("x.parquet", "x.jsonl"):
+    assert R.write_records(recs, str(tmp_path / name)) == 2
+    assert R.read_records(str(tmp_path / name)) == recs
+  assert (tmp_path / "x.parquet").read_bytes()[:4] == b"PAR1"
+  (tmp_path / "file").write_text("")
+  for path, match in ((tmp_path, "it is a directory"), (tmp_path / "x.txt", "expected .jsonl or .parquet"),
+                      (tmp_path / "file" / "x.jsonl", r"cannot create directory .*file \(File exists\)")):
+    with pytest.raises(ValueError, match=match):
+      R.write_records(recs, str(path))

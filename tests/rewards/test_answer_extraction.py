@@ -1,5 +1,6 @@
 """Final-answer extraction from chat-model text, answer modes in the rewards, and `rewards.build`."""
 
+import time
 from fractions import Fraction
 
 import pytest
@@ -175,3 +176,25 @@ def test_build_errors_name_the_field():
   for w in (-0.1, float("nan"), "0.1"):
     with pytest.raises(ValueError, match="reward.format_weight"):
       rewards.build("math", format_weight=w)
+
+
+@pytest.mark.parametrize("fn, text", [
+    (rewards.extract_tag, "<answer>" * 32000),  # unclosed tags: 34 s with a regex
+    (rewards.extract_boxed, "\\boxed{" * 32000),  # unclosed boxes
+    (lambda t: rewards.format_reward(t)[0], "<think>" + "</think>" * 30000 + "<answer>x</answer>"
+     + "</answer>" * 30000 + "z"),
+])
+def test_extraction_is_linear_in_hostile_text(fn, text):
+  start = time.perf_counter()
+  assert not fn(text)
+  assert time.perf_counter() - start < 1.0
+
+
+def test_tag_and_box_pairing_unchanged():
+  assert rewards.extract_tag("<answer>a<answer>b</answer> <answer>c</answer>") == "c"
+  assert rewards.extract_tag("<answer>a<answer>b</answer>") == "a<answer>b"
+  assert rewards.extract_tag("<answer>1</answer><answer>2") == "1"
+  assert rewards.extract_boxed(r"\boxed{\boxed{ \boxed{7} }}") == "7"
+  assert rewards.extract_boxed(r"\boxed{ \boxed{3} and 4") == "3"  # inside an unclosed box
+  assert rewards.format_reward("<think>a</think> <answer>1</answer>\n")[0] == 1.0
+  assert rewards.format_reward("<answer></answer>")[0] == 0.0

@@ -1,4 +1,6 @@
-"""Verifier pool: order kept, none lost, crashes and hangs give 0 and never stall the pool."""
+"""Verifier pool: order kept, none lost, crashes and hangs give 0 and never stall the pool.
+
+Hostile completions (math bombs, signals, memory) are in test_pool_hostile.py."""
 
 import threading
 import time
@@ -45,6 +47,7 @@ def test_crash_and_hang_give_zero_and_pool_keeps_serving():
 
   ok = rewards.get("arithmetic")
   with rewards.VerifierPool(num_workers=2, timeout_s=0.3) as pool:
+    pool.grade(ok, ["<answer>1</answer>"] * 2, [_arith(1)] * 2)  # workers started (not timed)
     fns = [ok, crash, hang, ok, hang, hang, ok, ok]
     recs = [_arith(i) for i in range(len(fns))]
     comps = [f"<answer>{i}</answer>" for i in range(len(fns))]

@@ -50,7 +50,18 @@ def test_rollout_stats_bad_input():
     stats.rollout_stats(LENGTHS, trunc, REWARDS, SOURCES[:5])
   with pytest.raises(ValueError, match="truncated must be bool"):
     stats.rollout_stats(LENGTHS, trunc.astype(int), REWARDS, SOURCES)
-  with pytest.raises(ValueError, match="rewards must be finite"):
-    stats.rollout_stats(LENGTHS, trunc, np.full(6, np.nan), SOURCES)
+  with pytest.raises(ValueError, match="rewards must be numbers"):
+    stats.rollout_stats(LENGTHS, trunc, np.array(["1"] * 6), SOURCES)
   with pytest.raises(ValueError, match="at least one row"):
     stats.rollout_stats(np.zeros(0), np.zeros(0, bool), np.zeros(0), [])
+
+
+def test_rollout_stats_counts_nonfinite_rewards():
+  """A NaN reward is counted (the controller skips or stops on it) and left out of the per-source means."""
+  rewards = REWARDS.copy()
+  rewards[[0, 5]] = [np.nan, np.inf]
+  got = stats.rollout_stats(LENGTHS, np.zeros(6, bool), rewards, SOURCES)
+  assert got["reward_nonfinite"] == 2.0
+  assert got["reward/gsm8k"] == pytest.approx(0.75 / 2) and got["pass_rate/gsm8k"] == 0.0
+  assert np.isnan(got["reward/synthetic/digit_sort"]) and np.isnan(got["pass_rate/synthetic/digit_sort"])
+  assert "reward_nonfinite" not in stats.rollout_stats(LENGTHS, np.zeros(6, bool), REWARDS, SOURCES)

@@ -71,14 +71,18 @@ def test_advantage_inputs():
                                                                                  0, 0, 0, 0], rtol=1e-6)
   given = jnp.arange(B * (T - 1), dtype=jnp.float32).reshape(B, T - 1)
   np.testing.assert_array_equal(batch_advantages(A.get_algorithm("ppo"), b.replace(advantages=given), G), given)
-  # KL in the reward: r - beta * sum_t k1(behaviour, ref) with ref = behaviour - 0.5 on every scored token.
-  algo = A.get_algorithm("reinforce_pp", kl_coef=0.1, kl_in_reward=True, kl_estimator="k1")
-  shaped = b.replace(ref_logprobs=b.behaviour_logprobs - 0.5)
+  # KL in the reward: Dr. GRPO's sequence reward r - beta * sum_t k1(old, ref), with ref = old - 0.5 on every
+  # scored token and the old policy's log-probs given separately from the sampler's.
+  algo = A.get_algorithm("dr_grpo", kl_coef=0.1, kl_in_reward=True, kl_estimator="k1")
+  old = b.behaviour_logprobs + 0.25
+  shaped = b.replace(ref_logprobs=old - 0.5)
   r = np.asarray(b.rewards) - 0.1 * 0.5 * np.asarray(b.loss_mask).sum(1)
-  np.testing.assert_allclose(batch_advantages(algo, shaped, G),
-                             A.reinforce_pp_advantages(jnp.asarray(r), G, algo.adv_eps), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(batch_advantages(algo, shaped, G, old),
+                             A.dr_grpo_advantages(jnp.asarray(r), G), rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="kl_in_reward needs batch.ref_logprobs"):
-    batch_advantages(algo, b, G)
+    batch_advantages(algo, b, G, old)
+  with pytest.raises(ValueError, match="needs the old policy's log-probs"):
+    batch_advantages(algo, shaped, G)
 
 
 def test_ppo_step_with_gae_advantages_and_stale_rollouts():

@@ -1,0 +1,109 @@
+"""PPO's value model: the policy's transformer trunk plus a scalar head, its inputs (token rewards, GAE) and loss.
+
+    critic = init_params(policy_params)                  # {"trunk": policy-shaped tree, "head": {"w", "b"}}
+    v = values(critic, cfg, tokens, input_mask)          # [B, T-1], aligned with loss_mask
+    r = token_rewards(rewards, loss_mask, kl, beta)      # [B, T-1]
+    adv, ret = advantages(r, v, loss_mask, gamma, lam)   # GAE, whitened advantages
+
+The value model has the policy's parameter tree (same shapes, same shardings through models.RULES),
+initialized from the starting policy's weights (`critic_init="policy"`, as InstructGPT initializes its
+value model from a trained model rather than from scratch) or from a HF directory with the policy's
+architecture (`"hf:<dir>"`), and a head [d_model] -> 1 on the final-normed hidden state. Its value at
+loss-mask index t is V(tokens[:t+1]), the state in which token t+1 is chosen.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from rlax import algorithms
+from rlax import models
+from rlax.models.init import abstract_params
+
+
+def init_params(policy_params: Any) -> dict:
+  """Critic parameters from the policy's: a copy of the trunk and a zero head (every value starts at 0,
+  so the first GAE advantages are the plain returns)."""
+  trunk = jax.tree.map(lambda x: jnp.array(x, copy=True), policy_params)
+  d_model = policy_params["embed"].shape[1]
+  return {"trunk": trunk, "head": {"w": jnp.zeros((d_model,), jnp.float32), "b": jnp.zeros((), jnp.float32)}}
+
+
+def shardings(cfg: models.ModelConfig, mesh: Mesh) -> dict:
+  """The critic's parameter shardings: the trunk as the policy's, the small head replicated."""
+  rep = NamedSharding(mesh, P())
+  return {"trunk": models.param_shardings(cfg, mesh), "head": {"w": rep, "b": rep}}
+
+
+def load_trunk(spec: str, cfg: models.ModelConfig, mesh: Optional[Mesh]) -> Optional[Any]:
+  """The trunk's weights named by `critic_init`: None for "policy", else the HF directory after "hf:",
+  which must hold the policy's architecture (same parameter tree)."""
+  if spec == "policy":
+    return None
+  from rlax.models import hf  # pylint: disable=g-import-not-at-top
+  hf_cfg, params = hf.load_checkpoint(spec[len("hf:"):], mesh=mesh)
+  want, got = models.param_shapes(cfg), models.param_shapes(hf_cfg)
+  if jax.tree.structure(want) != jax.tree.structure(got) or jax.tree.leaves(want) != jax.tree.leaves(got):
+    raise ValueError(f"critic_init={spec!r}: that model's parameter tree differs from the policy's")
+  return jax.tree.map(lambda x, w: x.astype(w.dtype), params, abstract_params(cfg))
+
+
+def values(critic: dict, cfg: models.ModelConfig, tokens, input_mask, *, start: int = 0) -> jax.Array:
+  """V at every loss-mask index: [B, T-1] f32 (positions before `start` are 0 and not computed)."""
+  h, _ = models.hidden_states(critic["trunk"], cfg, tokens, input_mask=input_mask, start=start)
+  v = jnp.einsum("btd,d->bt", h[:, :-1].astype(jnp.float32), critic["head"]["w"]) + critic["head"]["b"]
+  return jnp.pad(v, ((0, 0), (start, 0))) if start else v
+
+
+def token_rewards(rewards, mask, kl=None, beta: float = 0.0) -> jax.Array:
+  """Per-token rewards [B, T-1]: the sequence reward on each row's last scored token, minus beta * KL_t on
+  every scored token when `kl` [B, T-1] is given (Ouyang et al. 2022, arXiv 2203.02155, eq. 2)."""
+  m = mask.astype(jnp.float32)
+  idx = jnp.arange(m.shape[1])
+  last = jnp.max(jnp.where(m > 0, idx, -1), axis=1)
+  out = jnp.where(idx[None] == last[:, None], rewards.astype(jnp.float32)[:, None], 0.0)
+  if kl is not None:
+    out = out - beta * kl * m
+  return out * m
+
+
+def advantages(rewards, old_values, mask, gamma: float, lam: float, eps: float = 1e-8
+               ) -> tuple[jax.Array, jax.Array]:
+  """(advantages, returns), both [B, T-1]: GAE(gamma, lambda) (Schulman et al. 2016, arXiv 1506.02438) on
+  the old values; the advantages whitened over the batch's scored tokens as in PPO-RLHF (Ziegler et al.
+  2019), the returns not (they are the value targets)."""
+  adv, ret = algorithms.gae_advantages(rewards, old_values, mask, gamma, lam)
+  m = mask.astype(jnp.float32)
+  n = jnp.maximum(jnp.sum(m), 1.0)
+  mean = jnp.sum(adv * m) / n
+  std = jnp.sqrt(jnp.sum(((adv - mean) * m) ** 2) / n)
+  return (adv - mean) / (std + eps) * m, ret
+
+
+def value_loss(critic: dict, cfg: models.ModelConfig, mb: dict, *, clip: float, num_tokens, start: int = 0
+               ) -> tuple[jax.Array, dict]:
+  """Token-mean clipped value loss of one micro-batch (normalized by the full batch's `num_tokens`).
+
+  mb: tokens, input_mask, loss_mask, old_values, returns (each [rows, ...]). Metric sums: value_loss_sum,
+  value_clipped_sum (tokens whose clipped term was the larger one, so their gradient is 0).
+  """
+  m = mb["loss_mask"]
+  v = values(critic, cfg, mb["tokens"], mb["input_mask"].astype(bool), start=start)
+  tok = algorithms.clipped_value_loss(v, mb["old_values"], mb["returns"], m, clip)
+  v_clip = mb["old_values"] + jnp.clip(v - mb["old_values"], -clip, clip)
+  clipped = ((v_clip - mb["returns"]) ** 2 > (v - mb["returns"]) ** 2) * m
+  return jnp.sum(tok) / jnp.maximum(num_tokens, 1.0), {
+      "value_loss_sum": jax.lax.stop_gradient(jnp.sum(tok)),
+      "value_clipped_sum": jnp.sum(clipped.astype(jnp.float32)), "value_tokens": jnp.sum(m)}
+
+
+def explained_variance(old_values, returns, mask) -> jax.Array:
+  """1 - Var[R - V] / Var[R] over the scored tokens (1: perfect values, 0: no better than a constant)."""
+  m = mask.astype(jnp.float32)
+  n = jnp.maximum(jnp.sum(m), 1.0)
+  var = lambda x: jnp.sum(((x - jnp.sum(x * m) / n) * m) ** 2) / n
+  return 1.0 - var(returns - old_values) / jnp.maximum(var(returns), 1e-8)
