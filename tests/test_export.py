@@ -144,7 +144,7 @@ def test_bad_arguments_are_one_clear_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  """The tiny demo config trained for 2 steps, a checkpoint after each: (workdir, final params)."""
+  """The tiny demo config trained for 2 steps, a checkpoint at step 0 and after each: (workdir, final params)."""
   from rlax.runtime import Controller
   c = demo.get_config("tiny")
   c.workdir = str(tmp_path_factory.mktemp("run"))
@@ -178,7 +178,7 @@ def test_export_checkpoint_matches_the_trained_params(run, tmp_path):
 
 def test_missing_checkpoints_are_one_clear_error(run, tmp_path):
   workdir, _ = run
-  with pytest.raises(ValueError, match=r"has no checkpoint of step 7; its checkpoints are steps 1, 2"):
+  with pytest.raises(ValueError, match=r"has no checkpoint of step 7; its checkpoints are steps 0, 1, 2"):
     export.export_checkpoint(workdir, str(tmp_path / "hf"), step=7)
   with pytest.raises(ValueError, match=f"workdir {tmp_path} has no checkpoints"):
     export.export_checkpoint(str(tmp_path), str(tmp_path / "hf"))
@@ -205,4 +205,4 @@ def test_command_line(run, tmp_path):
   assert hf.read_config(str(tmp_path / "hf")).param_dtype == "bfloat16"
   r = _cli(f"--workdir={workdir}", f"--out={tmp_path / 'hf'}", "--step=9")
   assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-      f"rlax: export: workdir {workdir} has no checkpoint of step 9; its checkpoints are steps 1, 2"]
+      f"rlax: export: workdir {workdir} has no checkpoint of step 9; its checkpoints are steps 0, 1, 2"]

@@ -19,6 +19,7 @@ from typing import Optional
 import cloudpickle
 
 _START_TIMEOUT_S = 300.0  # the fork server's first start imports rlax.rewards (seconds on a busy host)
+_LOAD_TIMEOUT_S = 120.0  # unpickling a reward function (importing its module) in a fresh worker
 _FN_CACHE = 64  # pickled reward functions kept per worker (they are reused batch after batch)
 
 
@@ -72,9 +73,12 @@ def _worker_main(conn: connection.Connection, memory_mb: int) -> None:
         fn = fns[fn_blob] = pickle.loads(fn_blob)
         if len(fns) > _FN_CACHE:
           fns.popitem(last=False)
-      completion, record = pickle.loads(payload)
-      reward, info = fn(completion, record)
-      out = (float(reward), _plain_info(dict(info)))
+      if payload is None:  # load only (`Worker.run`): the function's imports happen outside any deadline
+        out = (0.0, {"loaded": True})
+      else:
+        completion, record = pickle.loads(payload)
+        reward, info = fn(completion, record)
+        out = (float(reward), _plain_info(dict(info)))
     except MemoryError:
       out, fatal = error(f"MemoryError: the grader exceeded its {memory_mb} MB memory cap"), True
       out[1]["memory_cap"] = True
@@ -204,6 +208,7 @@ class Worker:
 
   def __init__(self, memory_mb: int):
     self.pid, self.conn = _fork_worker(memory_mb)
+    self.loaded: set[bytes] = set()  # reward functions this worker has unpickled
     try:  # the worker is alive (it has not said ready), so this pid is still its own
       self.pidfd = os.pidfd_open(self.pid)
     except (AttributeError, OSError):
@@ -219,6 +224,17 @@ class Worker:
   def run(self, fn_blob: bytes, payload: bytes, timeout_s: float) -> tuple[tuple[float, dict], bool]:
     """(result, whether this worker can take another job)."""
     try:
+      if fn_blob not in self.loaded:
+        # Unpickling a function by reference imports its module (a script importing jax takes seconds):
+        # done once per worker, before the grading's own deadline starts.
+        self.conn.send_bytes(pickle.dumps((fn_blob, None)))
+        if not self.conn.poll(max(_LOAD_TIMEOUT_S, timeout_s)):
+          return (0.0, {"reason": f"loading the reward function took over {_LOAD_TIMEOUT_S:.0f}s",
+                        "timeout": True}), False
+        loaded = pickle.loads(self.conn.recv_bytes())
+        if not loaded[1].get("loaded"):
+          return loaded, True  # the function does not load here: its error, for every item
+        self.loaded.add(fn_blob)
       self.conn.send_bytes(pickle.dumps((fn_blob, payload)))
       if not self.conn.poll(timeout_s):
         return (0.0, {"reason": f"timeout after {timeout_s:.1f}s", "timeout": True}), False
