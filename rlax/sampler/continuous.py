@@ -648,6 +648,17 @@ class Stream:
       self.st = e._placed(e._gather(self.st, jnp.asarray(idx, np.int32)))  # pylint: disable=protected-access
       self.owner = self.owner[idx]
 
+  def _newest_weights(self):
+    """The engine's newest params; on a version change the running rows' cache is recomputed under them
+    (on_swap="recompute") and the swap counted."""
+    e = self.e
+    params, v_now = e._weights  # pylint: disable=protected-access
+    if v_now != self.version:
+      if e.on_swap == "recompute" and self.running:
+        self.st = e._recompute(params, self.st)  # pylint: disable=protected-access
+      self.version, self.swaps = v_now, self.swaps + 1
+    return params
+
   def step(self) -> list[FinishedGroup]:
     """Admits queued groups into free slots, decodes one chunk, returns the groups that finished."""
     e = self.e
@@ -657,20 +668,12 @@ class Stream:
       if self.st is None:
         self.st = e._empty()  # pylint: disable=protected-access
       self._resize()
-      params, v_now = e._weights  # pylint: disable=protected-access
-      if v_now != self.version:
-        if e.on_swap == "recompute" and self.running:
-          self.st = e._recompute(params, self.st)  # pylint: disable=protected-access
-        self.version, self.swaps = v_now, self.swaps + 1
+      params = self._newest_weights()
       if self.queue:
         self._admit(params)
       if self.on_chunk is not None:
         self.on_chunk(self.chunks, self.finished_tokens)
-        params, v_now = e._weights  # pylint: disable=protected-access
-        if v_now != self.version:  # installed by on_chunk: the admitted rows' token 0 keeps its version
-          if e.on_swap == "recompute":
-            self.st = e._recompute(params, self.st)  # pylint: disable=protected-access
-          self.version, self.swaps = v_now, self.swaps + 1
+        params = self._newest_weights()  # installed by on_chunk: admitted rows' token 0 keeps its version
       self.st = e._chunk(params, self.st, np.int32(self.version), np.int32(e.decode_chunk),  # pylint: disable=protected-access
                          strategy=self.strategy)
       self.chunks += 1

@@ -62,3 +62,30 @@ def assert_matches_reference(out, strategy, *, n_new=8, seed=3, step=7, G=2):
   assert np.all(np.asarray(out.versions) == 0)
   assert np.asarray(out.prompt_ids).tolist() == [i for i in range(len(PROMPTS)) for _ in range(G)]
   assert np.asarray(out.sample_ids).tolist() == list(range(G)) * len(PROMPTS)
+
+
+def assert_rows_match_reference(out, limits, n_new, *, seed, atol=1e-5, G=2):
+  """PROMPTS x G rows with per-row `limits`, temperature 1: each row's first limit tokens (and their
+  log-probs within `atol`; None skips them) equal the reference; past the limit pad tokens, version -1."""
+  from rlax import sampler as S  # pylint: disable=g-import-not-at-top
+  ref_tok, ref_lp = reference(lambda t: P0, PROMPTS, n_new, S.Temperature(1.0), seed=seed, G=G)
+  toks, lps, ver = np.asarray(out.tokens), np.asarray(out.logprobs), np.asarray(out.versions)
+  np.testing.assert_array_equal(np.asarray(out.lengths), limits)
+  for r, n in enumerate(limits):
+    np.testing.assert_array_equal(toks[r, :n], ref_tok[r, :n], err_msg=f"row {r}")
+    if atol is not None:
+      np.testing.assert_allclose(lps[r, :n], ref_lp[r, :n], atol=atol, err_msg=f"row {r}")
+    assert np.all(toks[r, n:] == 0) and np.all(ver[r, n:] == -1)
+  return lps, ref_lp
+
+
+def assert_logprobs_match_their_versions(out, params_by_version, *, G=2, atol=1e-5):
+  """Every token's behaviour log-prob equals the teacher-forced log-prob under the weights of its version."""
+  ver, toks, lps = np.asarray(out.versions), np.asarray(out.tokens), np.asarray(out.logprobs)
+  for r in range(len(toks)):
+    prompt = PROMPTS[r // G]
+    seq = np.asarray([prompt + toks[r].tolist()], np.int32)
+    for v, params in params_by_version.items():
+      lp = np.asarray(M.token_logprobs(params, CFG, seq))[0, len(prompt) - 1:]
+      m = ver[r] == v
+      np.testing.assert_allclose(lps[r][m], lp[m], atol=atol, err_msg=f"row {r} version {v}")

@@ -8,7 +8,8 @@ import pytest
 from rlax import models as M
 from rlax import sampler as S
 
-from harness.sampling_ref import CFG, P0, P1, PROMPTS, assert_matches_reference, reference
+from harness.sampling_ref import (CFG, P0, P1, PROMPTS, assert_logprobs_match_their_versions,
+                                  assert_matches_reference, assert_rows_match_reference, reference)
 
 LIMITS = np.asarray([1, 8, 3, 2, 8, 5, 4, 7])
 
@@ -31,13 +32,7 @@ def cs():
 def _check_limits(cs, limits=LIMITS):
   """4 prompts x 2 samples on 4 slots with per-row limits: queued rows take the slots short rows free."""
   out = cs.generate(PROMPTS, samples_per_prompt=2, strategy=S.Temperature(1.0), seed=1, max_new_tokens=limits)
-  ref_tok, ref_lp = reference(lambda t: P0, PROMPTS, 8, S.Temperature(1.0), seed=1, G=2)
-  toks, lps = np.asarray(out.tokens), np.asarray(out.logprobs)
-  np.testing.assert_array_equal(np.asarray(out.lengths), limits)
-  for r, n in enumerate(limits):
-    np.testing.assert_array_equal(toks[r, :n], ref_tok[r, :n], err_msg=f"row {r}")
-    assert np.all(toks[r, n:] == 0) and np.all(np.asarray(out.versions)[r, n:] == -1)
-  return lps, ref_lp
+  return assert_rows_match_reference(out, limits, 8, seed=1, atol=None)
 
 
 def test_paged_path_matches_reference_with_more_requests_than_slots(cs):
@@ -75,17 +70,11 @@ def test_weight_swap_recompute_refills_the_pages(cs):
     out = cs.generate(PROMPTS, samples_per_prompt=2, strategy=S.Temperature(1.0), seed=2, on_chunk=on_chunk)
   finally:
     cs.update_weights(P0, version=0)
-  ver, toks, lps = np.asarray(out.versions), np.asarray(out.tokens), np.asarray(out.logprobs)
+  ver = np.asarray(out.versions)
   assert cs.last_timings["swaps"] == 1 and set(np.unique(ver).tolist()) == {0, 1}
   assert np.all(np.diff(ver, axis=1) >= 0)
   assert np.any((ver[:, 0] == 0) & (ver[:, -1] == 1))  # some row was decoding across the swap
-  for r in range(len(toks)):
-    prompt = PROMPTS[r // 2]
-    seq = np.asarray([prompt + toks[r].tolist()], np.int32)
-    for v, params in ((0, P0), (1, P1)):
-      lp = np.asarray(M.token_logprobs(params, CFG, seq))[0, len(prompt) - 1:]
-      m = ver[r] == v
-      np.testing.assert_allclose(lps[r][m], lp[m], atol=1e-5, err_msg=f"row {r} version {v}")
+  assert_logprobs_match_their_versions(out, {0: P0, 1: P1})
 
 
 def test_cancelled_slots_are_refilled_for_queued_groups(cs):
