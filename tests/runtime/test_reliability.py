@@ -1,8 +1,8 @@
 """What a run does with bad numbers and bad endings: non-finite rewards/updates, corrupt checkpoints, signals."""
 
-import itertools
 import json
 import os
+import zlib
 
 import jax
 import numpy as np
@@ -17,14 +17,15 @@ def _finite(tree) -> bool:
   return all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(tree)))
 
 
-def _one_nan_in_seven():
-  n = itertools.count()
-  return lambda text, record: (float("nan") if next(n) % 7 == 0 else float(len(text) % 2), {})
+def _nan_for_about_one_in_three():
+  # Stateless (graders run in several processes, so a shared call counter would not be shared): NaN for
+  # about one completion in three, by a hash of its text that is the same in every process.
+  return lambda text, record: (float("nan") if zlib.crc32(text.encode()) % 3 == 0 else float(len(text) % 2), {})
 
 
 def test_nonfinite_rewards_skip_the_batch_and_never_reach_params_or_checkpoints(tmp_path):
   c = tiny_config(tmp_path, **{"checkpoint.every_steps": 1, "controller.steps": 3})
-  ctl = Controller(c, progress=False, reward_fn=_one_nan_in_seven())
+  ctl = Controller(c, progress=False, reward_fn=_nan_for_about_one_in_three())
   out = ctl.run()
   assert out["steps"] == 3 and not out["preempted"]
   rows = ctl.metrics.history
@@ -45,7 +46,7 @@ def test_nonfinite_rewards_skip_the_batch_and_never_reach_params_or_checkpoints(
 
 def test_nonfinite_rewards_stop_with_one_line(tmp_path):
   c = tiny_config(tmp_path, **{"controller.on_nonfinite": "stop"})
-  ctl = Controller(c, progress=False, reward_fn=_one_nan_in_seven())
+  ctl = Controller(c, progress=False, reward_fn=_nan_for_about_one_in_three())
   with pytest.raises(NonFiniteError, match=r"step 0: \d+ of 16 rewards are not finite \(nan"):
     ctl.run()
   assert ctl.run_state.ckpt.all_steps() == [] or _finite(ctl.final_state)
