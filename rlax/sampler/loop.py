@@ -8,6 +8,7 @@ uniform number of key fold_in(row_key, t), so outputs are addressable.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import flax.struct
@@ -45,10 +46,23 @@ class DecodeState:
   row_keys: jax.Array
 
 
-def row_keys(seed, step, prompt_ids, sample_ids):
-  """key(seed) → fold_in step → fold_in prompt id → fold_in sample index, one key per row."""
-  base = jax.random.fold_in(jax.random.key(seed), step)
+@functools.lru_cache(maxsize=64)
+def _base_key(seed: int, step: int) -> jax.Array:
+  # Outside jit: a Python seed may use all 64 bits.
+  return jax.random.fold_in(jax.random.key(seed), step)
+
+
+@jax.jit
+def _fold_rows(base, prompt_ids, sample_ids):
   return jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(base, p), s))(prompt_ids, sample_ids)
+
+
+def row_keys(seed, step, prompt_ids, sample_ids):
+  """key(seed) → fold_in step → fold_in prompt id → fold_in sample index, one key per row.
+
+  One compiled call per row count (a stream submits prompt by prompt; op-by-op this cost ~5 ms a prompt).
+  """
+  return _fold_rows(_base_key(int(seed), int(step)), prompt_ids, sample_ids)
 
 
 def uniforms(keys, t):
