@@ -28,6 +28,8 @@ flags.DEFINE_integer("reps", 5, "timed repetitions after one warm-up")
 flags.DEFINE_boolean("baseline", True, "also time transformers generate()")
 flags.DEFINE_enum("workload", "w1", ["w1", "w4"], "w1: fixed lengths; w4: long-tailed per-request lengths")
 flags.DEFINE_integer("slots", 64, "W4: decode slots of the continuous engine")
+flags.DEFINE_integer("static_reps", -1, "W4: timed runs of the static engine (-1: --reps; one takes minutes on "
+                     "2 CPU cores; 0 skips it and its keys)")
 flags.DEFINE_integer("chunk", 16, "W4: decode steps between admissions")
 flags.DEFINE_integer("devices", 1, "CPU devices for a data-parallel sampler mesh (XLA:CPU runs a small "
                      "matmul on one core; N devices run N row shards concurrently)")
@@ -148,19 +150,22 @@ def main_w4(params, cfg, prompts, S, jax, using_tcmalloc):
   total, tm = median_time(run_cont, FLAGS.reps)
   print(f"rlax continuous: {total:.3f} s ({useful / total:,.0f} useful tok/s, slot utilization "
         f"{tm['slot_utilization']:.2f}, compiles {dict(cont.trace_counts)})", flush=True)
-  static_total, _ = median_time(run_static, FLAGS.reps)
+  static_reps = FLAGS.reps if FLAGS.static_reps < 0 else FLAGS.static_reps
+  static_total = median_time(run_static, static_reps)[0] if static_reps else None
   # Tokens/s over time: finished rows' tokens per second in 10 equal windows of the last run's wall clock.
   marks = state["over_time"]
   edges = np.linspace(0, marks[-1][0], 11)
   done_at = np.interp(edges, [m[0] for m in marks], [m[1] for m in marks])
   over_time = [round(float(x), 1) for x in np.diff(done_at) / np.diff(edges)]
   result = dict(workload="w4", tokens_per_s=useful / total, total_s=total, tokens_per_s_over_time=over_time,
-                static_tokens_per_s=useful / static_total, static_s=static_total, static_ratio=static_total / total, slot_utilization=tm["slot_utilization"],
-                slots=FLAGS.slots, decode_chunk=FLAGS.chunk, requests=rows, useful_tokens=useful,
-                limit_p50=int(np.median(limits)), limit_max=n_new, compiles=dict(cont.trace_counts),
-                jax=jax.__version__, tcmalloc=using_tcmalloc())
-  print(f"rlax static: {static_total:.3f} s ({useful / static_total:,.0f} tok/s); "
-        f"continuous / static = {result['static_ratio']:.2f}x", flush=True)
+                slot_utilization=tm["slot_utilization"], slots=FLAGS.slots, decode_chunk=FLAGS.chunk,
+                requests=rows, useful_tokens=useful, limit_p50=int(np.median(limits)), limit_max=n_new,
+                compiles=dict(cont.trace_counts), jax=jax.__version__, tcmalloc=using_tcmalloc())
+  if static_total is not None:
+    result.update(static_tokens_per_s=useful / static_total, static_s=static_total,
+                  static_ratio=static_total / total, static_reps=static_reps)
+    print(f"rlax static: {static_total:.3f} s ({useful / static_total:,.0f} tok/s); "
+          f"continuous / static = {result['static_ratio']:.2f}x", flush=True)
   if FLAGS.baseline:
     import torch
     torch.set_num_threads(2)
