@@ -262,7 +262,11 @@ class Trainer:
                "finite": update_is_finite(loss, grad_norm).astype(jnp.float32)}
     if ppo:
       new_state, critic_metrics = self._critic_update(state, new_state, batch, targets)
-      metrics.update(critic_metrics)
+      # One step: a non-finite policy or value update skips both (the policy's advantages came from this critic).
+      ok = update_is_finite(loss, grad_norm) & update_is_finite(critic_metrics["value_loss"],
+                                                                critic_metrics["critic_grad_norm"])
+      new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, state)
+      metrics.update(critic_metrics, finite=ok.astype(jnp.float32))
     return new_state, metrics
 
   # -- PPO's value model (rlax.trainer.critic) -------------------------------------------------------------------

@@ -100,6 +100,24 @@ def test_value_warmup_trains_only_the_critic_then_both():
   assert int(state.step) == 3 and int(state.critic.step) == 3
 
 
+def test_a_non_finite_policy_update_skips_the_critic_update_too():
+  params = M.create_params(CFG)
+  b = make_batch(params, rewards=np.array([1, 0, 1, 0, 1, 1, 0, 0], np.float32)).replace(prompt_len=PROMPT)
+  adv = np.ones(b.loss_mask.shape, np.float32)  # given advantages feed the policy loss only
+  adv[tuple(np.argwhere(np.asarray(b.loss_mask))[0])] = np.nan
+  bad = b.replace(advantages=jnp.asarray(adv))
+  trainer = _ppo()
+  state = trainer.init_state(params)
+  before = jax.device_get(state)
+  state, metrics = trainer.step(state, bad)
+  now = jax.device_get(state)
+  assert float(metrics["finite"]) == 0.0 and np.isfinite(float(metrics["value_loss"]))  # the critic's own was fine
+  for x, y in zip(jax.tree.leaves(now), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(x, y)  # policy, critic, both optimizers and both step counters
+  state, metrics = trainer.step(state, b)  # a good batch then trains both
+  assert float(metrics["finite"]) == 1.0 and int(state.step) == 1 and int(state.critic.step) == 1
+
+
 def test_critic_fits_the_returns_of_a_fixed_batch():
   params = M.create_params(CFG)
   b = make_batch(params, rewards=np.array([1, 0, 1, 0, 1, 1, 0, 0], np.float32)).replace(prompt_len=PROMPT)
