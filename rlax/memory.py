@@ -54,7 +54,7 @@ _LOGIT_COPIES = 2
 _TIED_LOGIT_COPIES = 3
 _SAMPLING_COPIES = 4
 
-TRAINER_ITEMS = ("params", "opt_state", "grads", "ref_params", "batch", "activations", "logits")
+TRAINER_ITEMS = ("params", "opt_state", "grads", "ref_params", "critic", "batch", "activations", "logits")
 SAMPLER_ITEMS = ("weights", "spare_weights", "kv_cache", "scratch")
 
 
@@ -201,8 +201,14 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
                                                                     if cfg.remat else ""))),
       "trainer.logits": f"f32 [{rows} rows, {positions} positions, {cfg.vocab_size} vocab] x {copies * live}",
   })
+  critic = 0
+  if state.critic is not None:  # PPO's value model: its own params, AdamW moments and gradients
+    cp = _tree_bytes(state.critic.params)
+    critic = cp + _tree_bytes(state.critic.opt_state) + 2 * cp
+  notes["trainer.critic"] = ("value model (algorithm ppo): params, AdamW moments, gradients; its activations "
+                             "come after the policy's" if critic else "none (no value model)")
   return dict(params=params, opt_state=_tree_bytes(state.opt_state), grads=grads, ref_params=params if kl else 0,
-              batch=_tree_bytes(batch), activations=int(live * acts), logits=int(live * logits))
+              critic=critic, batch=_tree_bytes(batch), activations=int(live * acts), logits=int(live * logits))
 
 
 def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dict) -> dict[str, int]:

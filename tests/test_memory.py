@@ -220,6 +220,19 @@ def test_bad_device_counts():
     memory.estimate(run, 4, 4)
 
 
+def test_ppo_counts_its_value_model():
+  grpo, ppo = (memory.estimate(_run(algorithm=dict(name=n)), 1, 1) for n in ("grpo", "ppo"))
+  assert grpo.trainer["critic"] == 0
+  # The critic is the policy's trunk (f32 here) plus a [d_model] head and a bias: params, 2 Adam moments and
+  # the gradients (counted twice, as the policy's) = 5 copies of the trunk and head, plus the optimizer's
+  # scalars.
+  trunk = grpo.trainer["params"]
+  head = (BASE["d_model"] + 1) * 4
+  assert 5 * (trunk + head) <= ppo.trainer["critic"] <= 5 * (trunk + head) + 64
+  assert ppo.trainer_bytes - grpo.trainer_bytes == ppo.trainer["critic"]
+  assert "value model" in ppo.summary()
+
+
 def test_summary_lists_every_item_in_gib():
   est = memory.estimate(_run(algorithm=dict(kl_coef=0.04)), 1, 1)
   text = est.summary()
