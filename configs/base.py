@@ -72,9 +72,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                           eval_files="", template="auto", system_prompt="",
                                           instruction="{prompt}"))
   # answer: where the final answer is found ("auto", "boxed", "last_number", "answer_tag");
-  # format_weight: reward for stating it in that format.
+  # format_weight: reward for stating it in that format. Each grading runs in a process under a deadline
+  # (timeout_s), an address-space cap (memory_mb) and a size limit (max_chars: longer completions score 0).
   c.reward = ml_collections.ConfigDict(dict(name="arithmetic", answer="auto", format_weight=0.0, workers=4,
-                                            timeout_s=5.0))
+                                            timeout_s=5.0, memory_mb=4096, max_chars=1 << 20))
   c.eval = ml_collections.ConfigDict(dict(n_samples=8, temperature=1.0))  # on data.n_eval held-out prompts
   # export_every > 0: also write an HF directory every N steps (the final policy always goes to workdir/export).
   c.checkpoint = ml_collections.ConfigDict(dict(every_steps=50, every_seconds=600.0, keep=3,

@@ -103,7 +103,9 @@ def reward_fn(run: RunConfig):
 
 
 def verifier_pool(run: RunConfig) -> rewards.VerifierPool:
-  return rewards.VerifierPool(num_workers=run.reward.workers, timeout_s=run.reward.timeout_s)
+  r = run.reward
+  return rewards.VerifierPool(num_workers=r.workers, timeout_s=r.timeout_s, memory_mb=r.memory_mb,
+                              max_chars=r.max_chars)
 
 
 # -- models ------------------------------------------------------------------------------------------------

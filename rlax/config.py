@@ -139,6 +139,8 @@ class RewardConfig:
   format_weight: float = 0.0
   workers: int = 4
   timeout_s: float = 5.0
+  memory_mb: int = 4096           # address space a grading process may grow by
+  max_chars: int = 1 << 20        # longer completions get reward 0 without being graded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,6 +417,8 @@ def validate(run: RunConfig) -> None:
        "param_server.bucket='bytes' needs param_server.bucket_bytes > 0"),
       (run.reward.workers >= 1 and run.reward.timeout_s > 0,
        "reward.workers must be >= 1 and reward.timeout_s > 0"),
+      (run.reward.memory_mb >= 1 and run.reward.max_chars >= 1,
+       f"reward.memory_mb={run.reward.memory_mb} and reward.max_chars={run.reward.max_chars} must be >= 1"),
       (run.data.n_train >= 1 and run.data.n_eval >= 1 and run.data.difficulty >= 1,
        "data.n_train, data.n_eval and data.difficulty must be >= 1"),
       (run.data.prompt_style in ("instruct", "compact"),

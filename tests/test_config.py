@@ -67,6 +67,7 @@ def test_relative_workdir_becomes_absolute(tmp_path, monkeypatch):
     ("workdir", "", "workdir"),
     ("param_server.bucket", "layers", "param_server.bucket"),
     ("controller.on_nonfinite", "ignore", "controller.on_nonfinite='ignore': use 'skip' or 'stop'"),
+    ("reward.memory_mb", 0, "reward.memory_mb=0 and reward.max_chars=1048576 must be >= 1"),
 ])
 def test_bad_field_is_one_error_naming_it(path, value, match):
   c = demo.get_config("tiny")
@@ -132,3 +133,13 @@ def test_workdir_that_cannot_be_a_directory_fails_at_load(tmp_path):
       config_lib.load(c)
   c.workdir = str(tmp_path / "new" / "run")  # not there yet: created by the run
   assert config_lib.load(c).workdir == str(tmp_path / "new" / "run")
+
+
+def test_reward_limits_reach_the_verifier_pool():
+  from rlax import builders
+  c = demo.get_config("tiny")
+  c.reward.update(memory_mb=256, max_chars=10, timeout_s=3.0, workers=1)
+  with builders.verifier_pool(config_lib.load(c)) as pool:
+    assert (pool.memory_mb, pool.max_chars, pool.timeout_s) == (256, 10, 3.0)
+    (reward, info), = pool.grade(lambda text, rec: (1.0, {}), ["x" * 11], [None])
+    assert reward == 0.0 and info.get("too_long")
