@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from rlax import models
+from rlax.algorithms import AlgorithmConfig
 from rlax import rewards
 from rlax.config import RunConfig
 from rlax.data import synthetic
@@ -121,7 +122,9 @@ def trainer(run: RunConfig, mesh) -> Trainer:
 
 
 def sft_trainer(run: RunConfig, mesh) -> Trainer:
-  return Trainer(run.model, run.algorithm, OptimizerConfig(lr=run.init.sft_lr, warmup_steps=10), mesh, group_size=1)
+  # The warm start trains only the policy: no RL objective, so no value model (PPO's critic) is built.
+  return Trainer(run.model, AlgorithmConfig(), OptimizerConfig(lr=run.init.sft_lr, warmup_steps=10), mesh,
+                 group_size=1)
 
 
 def sampler(run: RunConfig, mesh, tok: Tokenizer) -> Union[ContinuousSampler, Sampler]:

@@ -143,3 +143,14 @@ def test_reward_limits_reach_the_verifier_pool():
     assert (pool.memory_mb, pool.max_chars, pool.timeout_s) == (256, 10, 3.0)
     (reward, info), = pool.grade(lambda text, rec: (1.0, {}), ["x" * 11], [None])
     assert reward == 0.0 and info.get("too_long")
+
+
+def test_sft_warm_start_builds_no_value_model():
+  from rlax import builders
+  from rlax import models as M
+  c = demo.get_config("tiny")
+  c.algorithm.name = "ppo"
+  run = config_lib.load(c)
+  params = M.create_params(run.model)
+  assert builders.trainer(run, None).init_state(params).critic is not None
+  assert builders.sft_trainer(run, None).init_state(params).critic is None
