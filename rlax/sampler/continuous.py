@@ -441,8 +441,8 @@ class ContinuousSampler:
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   def _empty(self) -> SlotState:
-    """A state with every slot free, built by one compiled call (op by op, the zeros of a 1024-token cache took
-    ~0.2 s of dispatches and host work per stream opened or grown)."""
+    """A state with every slot free, built by one compiled call rather than ~30 dispatches (with a 1024-token
+    budget: 149 ms against 193 ms, mostly filling the cache with zeros)."""
     if self._empty_fn is None:
       build = self._build_empty
       if self.mesh is None:

@@ -224,17 +224,10 @@ class Trainer:
 
   # -- jitted bodies -------------------------------------------------------------------------------------------
   def _ref_logprobs(self, params, tokens, input_mask, start=0):
-    def one(xs):
-      return models.token_logprobs(params, self.model_cfg, xs[0], input_mask=xs[1].astype(bool), chunk=self.chunk,
-                              temperature=self.temperature, start=start)
-    n = self.num_micro_batches(*tokens.shape)
-    if n == 1:
-      out = one((tokens, input_mask))
-    else:
-      out = jax.lax.scan(lambda c, mb: (c, one(mb)), None, split_micro_batches((tokens, input_mask), n),
-                         unroll=n <= MAX_UNROLLED_MICRO_BATCHES)[1]  # [n, B/n, T-1]
-      out = jnp.moveaxis(out, 0, 1).reshape(tokens.shape[0], -1)
-    return out
+    return self._rows_in_micro_batches(
+        lambda t, im: models.token_logprobs(params, self.model_cfg, t, input_mask=im.astype(bool), chunk=self.chunk,
+                                           temperature=self.temperature, start=start),
+        tokens, input_mask)
 
   def _rl_step(self, state: TrainState, batch: RolloutBatch):
     old = None
@@ -258,15 +251,15 @@ class Trainer:
     n = self.num_micro_batches(*batch.tokens.shape)
     grads, loss, stacked = accumulate_gradients(loss_fn, state.params, inputs, n)
     new_state, grad_norm = apply_gradients(self.tx, state, grads, loss)
-    metrics = {**rl.reduce_metrics(stacked, loss, grad_norm, self._lr(state.step)),
-               "finite": update_is_finite(loss, grad_norm).astype(jnp.float32)}
+    metrics = rl.reduce_metrics(stacked, loss, grad_norm, self._lr(state.step))
+    ok = update_is_finite(loss, grad_norm)
     if ppo:
       new_state, critic_metrics = self._critic_update(state, new_state, batch, targets)
+      metrics.update(critic_metrics)
       # One step: a non-finite policy or value update skips both (the policy's advantages came from this critic).
-      ok = update_is_finite(loss, grad_norm) & update_is_finite(critic_metrics["value_loss"],
-                                                                critic_metrics["critic_grad_norm"])
+      ok &= update_is_finite(critic_metrics["value_loss"], critic_metrics["critic_grad_norm"])
       new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, state)
-      metrics.update(critic_metrics, finite=ok.astype(jnp.float32))
+    metrics["finite"] = ok.astype(jnp.float32)
     return new_state, metrics
 
   # -- PPO's value model (rlax.trainer.critic) -------------------------------------------------------------------
