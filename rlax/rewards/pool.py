@@ -180,7 +180,7 @@ class VerifierPool:
     t = threading.Thread(target=lambda: box.append(self._call(job)), daemon=True)
     t.start()
     t.join(job.timeout_s)
-    return box[0] if box else (0.0, {"reason": f"timeout after {job.timeout_s:.1f}s", "timeout": True})
+    return box[0] if box else processes.timeout(job.timeout_s)
 
   @staticmethod
   def _call(job: _Job) -> tuple[float, dict]:

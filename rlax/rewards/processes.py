@@ -23,6 +23,11 @@ _LOAD_TIMEOUT_S = 120.0  # unpickling a reward function (importing its module) i
 _FN_CACHE = 64  # pickled reward functions kept per worker (they are reused batch after batch)
 
 
+def timeout(seconds: float) -> tuple[float, dict]:
+  """The (reward, info) of a grading stopped at its deadline: reward 0, `timeout: True`."""
+  return 0.0, {"reason": f"timeout after {seconds:.1f}s", "timeout": True}
+
+
 def error(e: BaseException | str) -> tuple[float, dict]:
   """The (reward, info) of a grading that failed: reward 0, the reason, `error: True`."""
   text = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
@@ -237,7 +242,7 @@ class Worker:
         self.loaded.add(fn_blob)
       self.conn.send_bytes(pickle.dumps((fn_blob, payload)))
       if not self.conn.poll(timeout_s):
-        return (0.0, {"reason": f"timeout after {timeout_s:.1f}s", "timeout": True}), False
+        return timeout(timeout_s), False
       result = pickle.loads(self.conn.recv_bytes())
       return result, not result[1].get("memory_cap", False)
     except (EOFError, OSError):
