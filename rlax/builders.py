@@ -14,8 +14,8 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from rlax import models
-from rlax.algorithms import AlgorithmConfig
 from rlax import rewards
+from rlax.algorithms import AlgorithmConfig
 from rlax.config import RunConfig
 from rlax.data import synthetic
 from rlax.data import tokenizer as tok_lib
