@@ -28,7 +28,7 @@ flags.DEFINE_integer("max_staleness", 0, "k: 0 = synchronous on-policy, 1 = one-
 flags.DEFINE_integer("cpu_devices", 2, "fake CPU devices (half trainer, half sampler)")
 flags.DEFINE_boolean("colocated", False, "trainer and sampler time-share all --cpu_devices (data-parallel) "
                      "instead of half each")
-flags.DEFINE_enum("engine", "continuous", ["continuous", "static"], "rollout.engine")
+flags.DEFINE_integer("decode_chunk", 16, "rollout.decode_chunk (decode steps between admissions)")
 flags.DEFINE_integer("micro_batch_tokens", 4096, "optimizer.micro_batch_tokens (per-device token budget of a "
                      "micro-batch; 0: one micro-batch)")
 FLAGS = flags.FLAGS
@@ -76,7 +76,8 @@ def main(argv):
   c.algorithm.update(name="grpo", kl_coef=0.04, kl_estimator="k3")
   c.optimizer.update(lr=1e-5, micro_batch_tokens=FLAGS.micro_batch_tokens)
   c.rollout.update(prompts_per_step=FLAGS.prompts, samples_per_prompt=FLAGS.samples,
-                   max_prompt_len=FLAGS.prompt_len, max_new_tokens=FLAGS.new_tokens, temperature=1.0, engine=FLAGS.engine)
+                   max_prompt_len=FLAGS.prompt_len, max_new_tokens=FLAGS.new_tokens, temperature=1.0,
+                   decode_chunk=FLAGS.decode_chunk)
   c.controller.update(steps=n_iter, max_staleness=FLAGS.max_staleness, queue_size=max(1, FLAGS.max_staleness))
   c.checkpoint.update(every_steps=0, every_seconds=0.0)
   c.eval.n_samples = 1
@@ -92,7 +93,7 @@ def main(argv):
          "sync_s": med("sync_total_s"), "trainer_idle_s": med("trainer_idle_s"),
          "sampler_idle_s": med("sampler_idle_s"), "response_len": med("response_len"),
          "iters": len(rows), "max_staleness": FLAGS.max_staleness, "devices": FLAGS.cpu_devices,
-         "colocated": FLAGS.colocated, "engine": FLAGS.engine, "tcmalloc": using_tcmalloc()}
+         "colocated": FLAGS.colocated, "decode_chunk": FLAGS.decode_chunk, "tcmalloc": using_tcmalloc()}
   for r in rows:
     print(f"iter {r['step']}: {r['step_s']:.3f}s (gen {r['gen_s']:.3f} train {r['train_s']:.3f} "
           f"sync {r['sync_total_s']:.3f} trainer idle {r['trainer_idle_s']:.3f})")

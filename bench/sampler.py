@@ -1,19 +1,22 @@
-"""Sampler throughput vs transformers on the same weights, measured in the same run.
+"""Sampler throughput vs transformers on the same weights, and decode against this machine's matmul rate,
+measured in the same run.
 
     python bench/sampler.py                       # workload W1 (see bench-peers/README.md)
-    python bench/sampler.py --d_model=512 --layers=8 --prompts=8 --samples=4 --reps=3
-    python bench/sampler.py --workload=w4         # long-tailed lengths: continuous vs static vs generate_batch
+    python bench/sampler.py --workload=w5         # the SmolLM2-135M shape (random weights), 8 prompts x 8
+    python bench/sampler.py --workload=w4         # long-tailed lengths: rlax vs transformers generate_batch
 
-W4: the W1 model, 64 prompts x 4 samples, each request's max new tokens drawn (seed 0) from a log-normal
-with median 64 and sigma 1, clipped to [8, 1024] (random weights never stop early, so the limit sets each
-length). Useful tokens/s = the requested tokens / wall time, for rlax's continuous engine (`--slots` decode
-slots), rlax's static engine (one batch decoded to the longest limit; its useful tokens are the same) and
-transformers' continuous batching (`generate_batch`'s manager, one request per row with its own limit).
+W1 / W5: every row decodes --new_tokens tokens (random weights never stop early). Timed (median of --reps after
+one warm-up that compiles): a whole `generate` call, and the same call with every row's limit 1 (prefill and
+admission only); decode_s is the difference. decode_flops counts what the decode steps compute: per fed token
+2 x the matmul weights (q, k, v, o, gate, up, down, lm head) + attention 4 x layers x heads x head_dim x (its
+position + 1). decode_share_of_matmul = decode_flops / decode_s over the f32 matmul rate measured in the same
+run (`workload.matmul_flops_per_s`). The peer is `LlamaForCausalLM.generate(do_sample=True, temperature=1,
+top_k=0, top_p=1, eos_token_id=None)` with torch.set_num_threads(2).
 
-Reports prefill / decode time and tokens/s (median of --reps after one warm-up
-run that includes compilation) for rlax and for `LlamaForCausalLM.generate(
-do_sample=True, temperature=1, top_k=0, top_p=1, eos_token_id=None)` with
-torch.set_num_threads(2); the last line is one JSON object.
+W4: the W1 model, 64 prompts x 4 samples, each request's max new tokens drawn (seed 0) from a log-normal with
+median 64 and sigma 1, clipped to [8, 1024]. Useful tokens/s = the requested tokens / wall time, for rlax's
+engine (`--slots` decode slots) and transformers' continuous batching (`generate_batch`'s manager, one request
+per row with its own limit). The last output line is one JSON object.
 """
 
 import json
@@ -26,11 +29,10 @@ import numpy as np
 
 flags.DEFINE_integer("reps", 5, "timed repetitions after one warm-up")
 flags.DEFINE_boolean("baseline", True, "also time transformers generate()")
-flags.DEFINE_enum("workload", "w1", ["w1", "w4"], "w1: fixed lengths; w4: long-tailed per-request lengths")
-flags.DEFINE_integer("slots", 64, "W4: decode slots of the continuous engine")
-flags.DEFINE_integer("static_reps", -1, "W4: timed runs of the static engine (-1: --reps; one takes minutes on "
-                     "2 CPU cores; 0 skips it and its keys)")
-flags.DEFINE_integer("chunk", 16, "W4: decode steps between admissions")
+flags.DEFINE_enum("workload", "w1", ["w1", "w4", "w5"], "w1 / w5: fixed lengths; w4: long-tailed per-request "
+                  "lengths")
+flags.DEFINE_integer("slots", 64, "W4: decode slots")
+flags.DEFINE_integer("chunk", 16, "decode steps between admissions (W1 / W5: --new_tokens, one chunk)")
 flags.DEFINE_integer("devices", 1, "CPU devices for a data-parallel sampler mesh (XLA:CPU runs a small "
                      "matmul on one core; N devices run N row shards concurrently)")
 FLAGS = flags.FLAGS
@@ -124,34 +126,24 @@ def main_w4(params, cfg, prompts, S, jax, using_tcmalloc):
   samples = FLAGS.samples
   limits = w4_limits(FLAGS.prompts * samples)
   n_new, useful = int(limits.max()), int(limits.sum())
-  cont = S.ContinuousSampler(cfg, max_prompt_len=FLAGS.prompt_len, max_new_tokens=n_new, slots=FLAGS.slots,
-                             decode_chunk=FLAGS.chunk, params=params)
+  engine = S.Sampler(cfg, max_prompt_len=FLAGS.prompt_len, max_new_tokens=n_new, slots=FLAGS.slots,
+                     decode_chunk=FLAGS.chunk, params=params)
   rows = len(limits)
-  static = S.Sampler(cfg, max_prompt_len=FLAGS.prompt_len, max_new_tokens=n_new, batch_size=rows,
-                     batch_buckets=[rows], prompt_buckets=[FLAGS.prompt_len], params=params)
   state = {"seed": 0, "over_time": None}
 
-  def run_cont():
+  def run():
     state["seed"] += 1
     marks = []
     t0 = time.perf_counter()
-    out = cont.generate(prompts, samples_per_prompt=samples, strategy=S.Temperature(1.0), seed=state["seed"],
-                        max_new_tokens=limits, on_chunk=lambda i, n: marks.append((time.perf_counter() - t0, n)))
+    out = engine.generate(prompts, samples_per_prompt=samples, strategy=S.Temperature(1.0), seed=state["seed"],
+                          max_new_tokens=limits, on_chunk=lambda i, n: marks.append((time.perf_counter() - t0, n)))
     assert np.array_equal(np.asarray(out.lengths), limits)
     state["over_time"] = marks + [(time.perf_counter() - t0, useful)]
-    return dict(cont.last_timings)
+    return dict(engine.last_timings)
 
-  def run_static():
-    state["seed"] += 1
-    out = static.generate(prompts, samples_per_prompt=samples, strategy=S.Temperature(1.0), seed=state["seed"])
-    assert int(out.lengths.min()) == n_new  # the static batch decodes every row to the longest limit
-    return {}
-
-  total, tm = median_time(run_cont, FLAGS.reps)
-  print(f"rlax continuous: {total:.3f} s ({useful / total:,.0f} useful tok/s, slot utilization "
-        f"{tm['slot_utilization']:.2f}, compiles {dict(cont.trace_counts)})", flush=True)
-  static_reps = FLAGS.reps if FLAGS.static_reps < 0 else FLAGS.static_reps
-  static_total = median_time(run_static, static_reps)[0] if static_reps else None
+  total, tm = median_time(run, FLAGS.reps)
+  print(f"rlax: {total:.3f} s ({useful / total:,.0f} useful tok/s, slot utilization "
+        f"{tm['slot_utilization']:.2f}, compiles {dict(engine.trace_counts)})", flush=True)
   # Tokens/s over time: finished rows' tokens per second in 10 equal windows of the last run's wall clock.
   marks = state["over_time"]
   edges = np.linspace(0, marks[-1][0], 11)
@@ -160,12 +152,7 @@ def main_w4(params, cfg, prompts, S, jax, using_tcmalloc):
   result = dict(workload="w4", tokens_per_s=useful / total, total_s=total, tokens_per_s_over_time=over_time,
                 slot_utilization=tm["slot_utilization"], slots=FLAGS.slots, decode_chunk=FLAGS.chunk,
                 requests=rows, useful_tokens=useful, limit_p50=int(np.median(limits)), limit_max=n_new,
-                compiles=dict(cont.trace_counts), jax=jax.__version__, tcmalloc=using_tcmalloc())
-  if static_total is not None:
-    result.update(static_tokens_per_s=useful / static_total, static_s=static_total,
-                  static_ratio=static_total / total, static_reps=static_reps)
-    print(f"rlax static: {static_total:.3f} s ({useful / static_total:,.0f} tok/s); "
-          f"continuous / static = {result['static_ratio']:.2f}x", flush=True)
+                compiles=dict(engine.trace_counts), jax=jax.__version__, tcmalloc=using_tcmalloc())
   if FLAGS.baseline:
     import torch
     torch.set_num_threads(2)
@@ -180,6 +167,14 @@ def main_w4(params, cfg, prompts, S, jax, using_tcmalloc):
   print(json.dumps(result))
 
 
+def decode_flops(cfg, rows: int, prompt_len: int, new_tokens: int) -> float:
+  """FLOPs of the decode steps of `rows` rows from `prompt_len` to `prompt_len + new_tokens` tokens (see the
+  module docstring): token t (t = 1 .. new_tokens - 1) is drawn after feeding position prompt_len + t - 1."""
+  pos = np.arange(prompt_len, prompt_len + new_tokens - 1)
+  per_token = 2 * workload.matmul_params(cfg) + 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * (pos + 1)
+  return float(rows * per_token.sum())
+
+
 def main(_):
   from rlax.allocator import reexec_with_tcmalloc, using_tcmalloc
   reexec_with_tcmalloc()
@@ -192,6 +187,8 @@ def main(_):
   if FLAGS.workload == "w4":  # W4's batch unless given
     FLAGS.prompts = FLAGS.prompts if FLAGS["prompts"].present else 64
     FLAGS.samples = FLAGS.samples if FLAGS["samples"].present else 4
+  if FLAGS.workload == "w5":
+    workload.use_w5()
   cfg = workload.model_config()
   mesh = (M.make_mesh(jax.devices()[:FLAGS.devices], data=FLAGS.devices, fsdp=1, tensor=1)
           if FLAGS.devices > 1 else None)
@@ -202,23 +199,34 @@ def main(_):
     return main_w4(params, cfg, prompts, S, jax, using_tcmalloc)
   rows, n_new = FLAGS.prompts * FLAGS.samples, FLAGS.new_tokens
   n_tok = rows * n_new
-  sampler = S.Sampler(cfg, mesh, max_prompt_len=FLAGS.prompt_len, max_new_tokens=n_new, batch_size=rows,
-                      batch_buckets=[rows], prompt_buckets=[FLAGS.prompt_len], params=params)
+  engine = S.Sampler(cfg, mesh, max_prompt_len=FLAGS.prompt_len, max_new_tokens=n_new, slots=rows,
+                     decode_chunk=n_new if not FLAGS["chunk"].present else FLAGS.chunk, params=params)
   state = {"seed": 0}
 
-  def run_rlax():
-    state["seed"] += 1
-    out = sampler.generate(prompts, samples_per_prompt=FLAGS.samples, strategy=S.Temperature(1.0),
-                           seed=state["seed"])
-    assert int(out.lengths.min()) == n_new
-    return dict(sampler.last_timings)
+  def run(limit):
+    def call():
+      state["seed"] += 1
+      out = engine.generate(prompts, samples_per_prompt=FLAGS.samples, strategy=S.Temperature(1.0),
+                            seed=state["seed"], max_new_tokens=limit)
+      jax.block_until_ready(out.tokens)
+      assert int(out.lengths.min()) == limit
+      return dict(engine.last_timings)
+    return call
 
-  total, tm = median_time(run_rlax, FLAGS.reps)
-  result = dict(tokens_per_s=n_tok / total, total_s=total, prefill_s=tm["prefill_s"], decode_s=tm["decode_s"],
-                rows=rows, new_tokens=n_new, devices=FLAGS.devices, compiles=dict(sampler.trace_counts),
+  total, tm = median_time(run(n_new), FLAGS.reps)
+  prefill, _ = median_time(run(1), FLAGS.reps)
+  decode_s = max(total - prefill, 1e-9)
+  flops = decode_flops(cfg, rows, FLAGS.prompt_len, n_new)
+  peak = workload.matmul_flops_per_s()
+  result = dict(workload=FLAGS.workload, tokens_per_s=n_tok / total, total_s=total, prefill_s=prefill,
+                decode_s=decode_s, decode_step_ms=1e3 * decode_s / max(n_new - 1, 1), decode_flops=flops,
+                decode_flops_per_s=flops / decode_s, matmul_flops_per_s=peak,
+                decode_share_of_matmul=flops / decode_s / peak, rows=rows, new_tokens=n_new,
+                params=cfg.num_params(), devices=FLAGS.devices, compiles=dict(engine.trace_counts),
                 jax=jax.__version__, tcmalloc=using_tcmalloc())
-  print(f"rlax: {total:.3f} s ({result['tokens_per_s']:,.0f} tok/s), prefill {tm['prefill_s'] * 1e3:.1f} ms, "
-        f"decode {tm['decode_s'] * 1e3:.1f} ms ({tm['decode_s'] / max(n_new - 1, 1) * 1e3:.2f} ms/token)")
+  print(f"rlax: {total:.3f} s ({result['tokens_per_s']:,.0f} tok/s), prefill {prefill * 1e3:.1f} ms, decode "
+        f"{decode_s * 1e3:.1f} ms ({result['decode_step_ms']:.2f} ms/step, {flops / decode_s / 1e9:.1f} GFLOP/s = "
+        f"{result['decode_share_of_matmul']:.2f} of the {peak / 1e9:.1f} GFLOP/s matmul rate)")
   if FLAGS.baseline:
     import torch
     torch.set_num_threads(2)

@@ -42,20 +42,6 @@ flags.DEFINE_integer("devices", 1, "CPU devices of a data-parallel trainer mesh 
 FLAGS = flags.FLAGS
 
 
-def matmul_flops_per_s(n: int, reps: int = 7) -> float:
-  """Median FLOP/s of a jitted f32 [n, n] @ [n, n]."""
-  a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-  b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
-  f = jax.jit(jnp.dot)
-  f(a, b).block_until_ready()
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    f(a, b).block_until_ready()
-    times.append(time.perf_counter() - t)
-  return 2 * n ** 3 / statistics.median(times)
-
-
 def step_flops(cfg: M.ModelConfig, batch: int, seq: int, prompt_len: int = 0) -> float:
   """Analytic matmul FLOPs of ref forward + policy forward/backward (formula in the module doc).
 
@@ -119,7 +105,7 @@ def main(_):
     state, metrics = one(state)
     times.append(time.perf_counter() - t)
     print(f"step {len(times)}: {times[-1]:.3f} s  loss {float(metrics['loss']):.5f}  kl {float(metrics['kl']):.2e}")
-  peak = matmul_flops_per_s(FLAGS.matmul_n)
+  peak = workload.matmul_flops_per_s(FLAGS.matmul_n)
   step_s = statistics.median(times)
   flops = step_flops(cfg, B, T, FLAGS.prompt_len)
   out = {"workload": "w2", "params": cfg.num_params(), "batch": B, "seq": T, "step_s": round(step_s, 4),

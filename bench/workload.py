@@ -30,3 +30,39 @@ def model_overrides() -> dict:
 def model_config():
   from rlax import models as M
   return M.ModelConfig(**model_overrides())
+
+
+def matmul_flops_per_s(n: int = 2048, reps: int = 7) -> float:
+  """This machine's f32 matmul rate: median FLOP/s of a jitted [n, n] @ [n, n] (the compute limit figures are
+  reported against, measured in the same run)."""
+  import statistics
+  import time
+  import jax
+  import jax.numpy as jnp
+  a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+  b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
+  f = jax.jit(jnp.dot)
+  f(a, b).block_until_ready()
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    f(a, b).block_until_ready()
+    times.append(time.perf_counter() - t)
+  return 2 * n ** 3 / statistics.median(times)
+
+
+def matmul_params(cfg) -> int:
+  """Weights used in matmuls per token: q, k, v, o, gate, up, down of every layer + the lm head."""
+  d, h, k, dh, f, v, l = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size,
+                          cfg.n_layers)
+  return l * (d * (h + 2 * k) * dh + h * dh * d + 3 * d * f) + d * v
+
+
+W5 = dict(vocab=49152, d_model=576, layers=30, heads=9, kv_heads=3, head_dim=64, mlp=1536, prompts=8, samples=8)
+
+
+def use_w5() -> None:
+  """The W5 workload: the SmolLM2-135M shape (random weights), 8 prompts x 8 samples; explicit flags win."""
+  for name, value in W5.items():
+    if not FLAGS[name].present:
+      FLAGS[name].value = value

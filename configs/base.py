@@ -42,12 +42,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       temperature=1.0,
       top_k=0,
       top_p=1.0,
-      decode_chunk=0,            # >0: decode in chunks; weights may be swapped in between
-      inflight_updates=False,
-      engine="continuous",       # decode slots refilled as rows finish; "static": one batch to its longest row
-      slots=0,                   # continuous: decode slots (0: the batch's rows; -1: as many as free memory holds)
-      stream_ahead=-1,           # continuous: prompts in flight for the next batch (-1: prompts_per_step)
-      on_swap="recompute",       # continuous: unfinished rows' KV cache under new weights, or "keep" it
+      decode_chunk=16,           # decode steps between admissions (and weight swaps)
+      inflight_updates=False,    # swap in the newest weights between chunks, not only between batches
+      slots=0,                   # decode slots (0: the batch's rows; -1: as many as free memory holds)
+      stream_ahead=-1,           # prompts in flight for the next batch (-1: prompts_per_step)
+      on_swap="recompute",       # unfinished rows' KV cache under new weights, or "keep" it
   ))
 
   c.controller = ml_collections.ConfigDict(dict(
@@ -59,8 +58,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       dynamic_sampling=False,
       on_nonfinite="skip",       # a non-finite reward, loss or grad norm: "skip" the batch (counted) or "stop"
   ))
-
-  c.param_server = ml_collections.ConfigDict(dict(bucket="whole", bucket_bytes=0))  # or per_layer, bytes
 
   # prompt_style: "instruct" (the task's own prompt, answer in <answer> tags) or "compact"
   # (arithmetic only: "12+34=" → "46"); ops: keep arithmetic problems using only these operators.

@@ -68,6 +68,6 @@ def shrink(c) -> None:
   c.topology.trainer_mesh = dict(data=1, fsdp=-1, tensor=2)
   c.topology.sampler_mesh = dict(data=-1, fsdp=1, tensor=2)
   c.rollout.prompts_per_step, c.rollout.samples_per_prompt = 4, 4
-  c.rollout.max_prompt_len, c.rollout.max_new_tokens, c.rollout.decode_chunk = 16, 16, 0
+  c.rollout.max_prompt_len, c.rollout.max_new_tokens, c.rollout.decode_chunk = 16, 16, 16
   c.optimizer.micro_batches = 2
   c.plan.topology, c.plan.num_slices, c.plan.sampler_batch = "local", 2, 8

@@ -36,24 +36,19 @@ def format_table(t: dict) -> str:
     steps.append(f"train step >= {_t(e['train_step_s'])} ({e['train_tokens_per_s']:.3g} tokens/s)")
   if "prefill_s" in e:
     steps.append(f"prefill >= {_t(e['prefill_s'])}")
-  if "decode_token_step_s" in e:
-    steps.append(f"decode step >= {_t(e['decode_token_step_s'])} ({e['sampler_tokens_per_s']:.3g} sampler tokens/s; "
-                 f"analytic {_t(e['analytic_decode_token_step_s'])}, "
-                 f"{e['analytic_sampler_tokens_per_s']:.3g} tokens/s)")
   if steps:
     lines.append("; ".join(steps))
-  if "paged_decode" in e:
-    p = e["paged_decode"]
-    lines.append(f"paged decode step >= {_t(e['paged_decode_token_step_s'])} "
-                 f"({e['paged_sampler_tokens_per_s']:.3g} sampler tokens/s; {p['attention']} attention, "
-                 f"{p['slots']} slots x {p['context']} tokens, pages of {p['page_size']}): "
-                 f"{p['step_bytes'] / 1e9:.3g} GB/chip = XLA {p['xla_step_bytes'] / 1e9:.3g} GB (layers unrolled, "
-                 f"compiled in {p['unrolled_compile_s']:.3g} s) "
-                 f"+ kernel {p['kernel_bytes'] / 1e9:.3g} GB; "
-                 f"{p['ratio']:.3g}x weights {p['weights_bytes'] / 1e9:.3g} GB + KV {p['kv_bytes'] / 1e9:.3g} GB")
+  if "decode" in e:
+    d = e["decode"]
+    how = (f"{d['attention']} attention, pages of {d['page_size']}" if d["layout"] == "paged" else "dense layout")
+    lines.append(f"decode step >= {_t(e['decode_token_step_s'])} ({e['sampler_tokens_per_s']:.3g} sampler tokens/s; "
+                 f"{how}, {d['slots']} slots x {d['context']} tokens): "
+                 f"{d['step_bytes'] / 1e9:.3g} GB/chip = XLA {d['xla_step_bytes'] / 1e9:.3g} GB (layers unrolled, "
+                 f"compiled in {d['unrolled_compile_s']:.3g} s) + kernel {d['kernel_bytes'] / 1e9:.3g} GB; "
+                 f"{d['ratio']:.3g}x weights {d['weights_bytes'] / 1e9:.3g} GB + KV {d['kv_bytes'] / 1e9:.3g} GB")
   lines += [f"weight push ~ {_t(push['seconds'])}: {push['total_bytes'] / 1e9:.3g} GB, "
             f"{push['per_chip_transport_bytes'] / 1e6:.3g} MB/chip over {push['link'].upper()} "
             f"({_t(push['cross_s'])}), gather to {push['per_chip_sampler_bytes'] / 1e9:.3g} GB/chip over ICI "
             f"({_t(push['gather_s'])})",
-            f"assumptions: {a['time']}; push: {a['push']}" + (f"; {a['paged']}" if "paged_decode" in e else "")]
+            f"assumptions: {a['time']}; push: {a['push']}" + (f"; {a['decode']}" if "decode" in e else "")]
   return "\n".join(lines)

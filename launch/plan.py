@@ -4,10 +4,10 @@
   python -m launch.plan --config=configs/paper_qwq32b.py
   python -m launch.plan --config=configs/v5p_128.py --config.plan.sampler_batch=256
 
-Compiles the runtime's trainer RL step, sampler prefill and decode chunk, the paged decode step (Pallas
-paged-attention kernel on TPU) and the trainer → sampler weight push for `config.plan.topology` x
-`config.plan.num_slices` and prints a table; the last output line is the table as JSON.
-`--config.plan.programs=sampler_decode_paged` (comma-separated names) compiles only those programs. A
+Compiles the runtime's trainer RL step, the sampling engine's prefill, admission and decode chunk (on TPU the
+paged layout, with the Pallas paged-attention kernel) and the trainer → sampler weight push for
+`config.plan.topology` x `config.plan.num_slices` and prints a table; the last output line is the table as JSON.
+`--config.plan.programs=sampler_decode` (comma-separated names) compiles only those programs. A
 program that does not fit the chip's HBM ends the run with one line (exit code 3) naming the program, the
 overshoot and the knob to turn.
 """

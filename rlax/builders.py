@@ -8,9 +8,9 @@ the transport that connects them. Failover rebuilds through the same function.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
+import jax
 import numpy as np
 
 from rlax import models
@@ -23,11 +23,12 @@ from rlax.data.pipeline import RecordIterator
 from rlax.data.prompts import PromptRenderer
 from rlax.data.records import Record, read_records
 from rlax.models import hf
-from rlax.models import sharding as shd
 from rlax.models.hf_tokenizer import Tokenizer
 from rlax.multihost import Channel, local_roles
 from rlax.rollout import packing
-from rlax.sampler import ContinuousSampler, Sampler
+from rlax.sampler import Sampler
+from rlax.sampler import sizing
+from rlax.sampler.engine import make_layout
 from rlax.sampler.strategies import SamplingMethod
 from rlax.topology import Topology
 from rlax.trainer import OptimizerConfig, Trainer
@@ -127,22 +128,29 @@ def sft_trainer(run: RunConfig, mesh) -> Trainer:
                  group_size=1)
 
 
-def sampler(run: RunConfig, mesh, tok: Tokenizer) -> Union[ContinuousSampler, Sampler]:
-  """The rollout.engine; stops on every eos token of the tokenizer (chat models end a turn with several)."""
+def slots(run: RunConfig, mesh, budget: Optional[int] = None) -> int:
+  """The sampler's decode slots: rollout.slots, the batch's rows in whole groups (0), or with -1 as many as the
+  per-device budget holds (default: the sampler devices' own), up to this batch and the next one's prompts in
+  flight. The memory estimate sizes them by the same call."""
   r = run.rollout
-  if r.engine == "continuous":
-    slots = r.decode_slots(run.eval.n_samples)
-    if r.slots == -1:  # the memory holds: up to this batch and the next one's prompts in flight
-      unit = math.lcm(r.samples_per_prompt, run.eval.n_samples, shd.row_shards(mesh, slots))
-      slots = ContinuousSampler.slots_that_fit(run.model, mesh, max_prompt_len=r.max_prompt_len,
-                                               max_new_tokens=r.max_new_tokens, unit=unit,
-                                               cap=r.rows + r.ahead * r.samples_per_prompt)
-    return ContinuousSampler(run.model, mesh, max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
-                             slots=slots, eos_id=tok.eos_ids, pad_id=tok.pad_id,
-                             decode_chunk=r.decode_chunk or 16, on_swap=r.on_swap)
+  n = r.decode_slots(run.eval.n_samples)
+  if r.slots != -1:
+    return n
+  lay = make_layout(run.model, "auto", r.max_prompt_len, r.max_new_tokens)
+  unit = sizing.row_unit(mesh, r.samples_per_prompt, run.eval.n_samples, n)
+  if budget is None:
+    budget = sizing.device_budget(mesh.devices.flat[0] if isinstance(mesh, jax.sharding.Mesh) else jax.devices()[0])
+  return sizing.slots_that_fit(run.model, lay, r.max_prompt_len + r.max_new_tokens, unit=unit,
+                               cap=r.rows + r.ahead * r.samples_per_prompt, budget=budget, mesh=mesh)
+
+
+def sampler(run: RunConfig, mesh, tok: Tokenizer) -> Sampler:
+  """The sampling engine on `mesh` (its streams read the run's weights service); stops on every eos token of
+  the tokenizer (chat models end a turn with several)."""
+  r = run.rollout
   return Sampler(run.model, mesh, max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
-                 batch_size=max(r.rows, run.eval.n_samples * 16), eos_id=tok.eos_ids, pad_id=tok.pad_id,
-                 decode_chunk=r.decode_chunk or None)
+                 slots=slots(run, mesh), eos_id=tok.eos_ids, pad_id=tok.pad_id, decode_chunk=r.decode_chunk,
+                 on_swap=r.on_swap)
 
 
 def sampling_method(run: RunConfig) -> SamplingMethod:
@@ -161,31 +169,41 @@ class Components:
   the tokenizer the sampler stops with."""
   topology: Topology
   trainer: Optional[Trainer]
-  sampler: Optional[Union[ContinuousSampler, Sampler]]
+  sampler: Optional[Sampler]
   weights: WeightsService
   tokenizer: Tokenizer
 
 
-def weights_service(run: RunConfig, topology: Topology, channel: Optional[Channel] = None) -> WeightsService:
-  """The weights service between `topology`'s submeshes over the transport the process layout needs."""
+def weights_service(run: RunConfig, topology: Topology, channel: Optional[Channel] = None,
+                    history_from: Optional[WeightsService] = None) -> WeightsService:
+  """The weights service between `topology`'s submeshes over the transport the process layout needs.
+
+  Deterministic runs with scheduled slice faults keep trainer-side copies of the last k pushes, so a rebuilt
+  sampler can regenerate a batch with exactly its version; `history_from`: the service they are taken over from.
+  """
   shardings = models.param_shardings(run.model, topology.sampler_mesh)
   has_trainer, has_sampler = local_roles(topology.trainer_mesh, topology.sampler_mesh)
   if has_trainer and has_sampler:
-    ps = run.param_server
-    transport = DevicePutTransport(shardings, weights_dtype(run), mode=ps.bucket, bucket_bytes=ps.bucket_bytes)
+    transport = DevicePutTransport(shardings, weights_dtype(run))
   else:
     if channel is None:
       raise ValueError("the trainer and sampler live in different processes: a Channel is needed")
     shapes = models.init.abstract_params(run.model)
     transport = CrossProcessTransport(topology.trainer_mesh, topology.sampler_mesh, shardings, weights_dtype(run),
                                       shapes, channel)
+  k, faults = run.controller.max_staleness, run.faults
+  history = k if run.deterministic and k and (faults.lose_slice_at or faults.restore_slice_at) else 0
   # Deterministic mode hands batch s exactly version s - k: keep the k + 1 newest.
-  return WeightsService(transport, keep=run.controller.max_staleness + 1 if run.deterministic else 1)
+  service = WeightsService(transport, keep=k + 1 if run.deterministic else 1, history=history)
+  if history_from is not None:
+    service.adopt_history(history_from)
+  return service
 
 
 def components(run: RunConfig, topology: Topology, *, tok: Optional[Tokenizer] = None,
                channel: Optional[Channel] = None, reuse: Optional[Components] = None) -> Components:
-  """Builds this process's parts on `topology`; with `reuse`, parts whose mesh did not change are kept.
+  """Builds this process's parts on `topology`; with `reuse`, parts whose mesh did not change are kept (the
+  weights service is always new: a rebuilt run pushes its versions again; the sampler holds no weights).
 
   `tok`: the tokenizer (default: `reuse`'s, else the run's)."""
   tok = tok or (reuse.tokenizer if reuse is not None else tokenizer(run))
@@ -194,7 +212,8 @@ def components(run: RunConfig, topology: Topology, *, tok: Optional[Tokenizer] =
                                                                                                f"{role}_mesh")
   tr = (reuse.trainer if keep("trainer") else trainer(run, topology.trainer_mesh)) if has_trainer else None
   sa = (reuse.sampler if keep("sampler") else sampler(run, topology.sampler_mesh, tok)) if has_sampler else None
-  return Components(topology, tr, sa, weights_service(run, topology, channel), tok)
+  weights = weights_service(run, topology, channel, history_from=reuse.weights if reuse is not None else None)
+  return Components(topology, tr, sa, weights, tok)
 
 
 def initial_params(run: RunConfig, mesh) -> Any:

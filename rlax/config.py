@@ -63,12 +63,11 @@ class RolloutConfig:
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
-  decode_chunk: int = 0          # > 0: decode in chunks; weights may be swapped in between
+  decode_chunk: int = 16         # decode steps between admissions (and weight swaps)
   inflight_updates: bool = False
-  engine: str = "continuous"     # or "static" (one batch decoded until its longest row stops)
-  slots: int = 0                 # continuous: decode slots (0: the batch's rows; -1: as many as free memory holds)
-  stream_ahead: int = -1         # continuous: prompts kept in flight for the next batch (-1: prompts_per_step)
-  on_swap: str = "recompute"     # continuous: unfinished rows' KV cache after new weights: "recompute" or "keep"
+  slots: int = 0                 # decode slots (0: the batch's rows; -1: as many as free memory holds)
+  stream_ahead: int = -1         # prompts kept in flight for the next batch (-1: prompts_per_step)
+  on_swap: str = "recompute"     # unfinished rows' KV cache after new weights: "recompute" or "keep"
 
   @property
   def rows(self) -> int:
@@ -76,11 +75,11 @@ class RolloutConfig:
 
   @property
   def ahead(self) -> int:
-    """Prompts the continuous engine keeps in flight for the next batch."""
+    """Prompts the engine keeps in flight for the next batch."""
     return self.prompts_per_step if self.stream_ahead < 0 else self.stream_ahead
 
   def decode_slots(self, eval_samples: int) -> int:
-    """The continuous engine's slots: `slots`, or the batch's rows rounded up to whole groups of both the
+    """The engine's slots: `slots`, or the batch's rows rounded up to whole groups of both the
     rollout's and the evaluation's group size."""
     g = math.lcm(self.samples_per_prompt, eval_samples)
     return self.slots if self.slots > 0 else -(-self.rows // g) * g
@@ -96,13 +95,6 @@ class ControllerConfig:
   queue_size: int = 2
   dynamic_sampling: bool = False
   on_nonfinite: str = "skip"     # a batch with a non-finite reward, loss or gradient norm: "skip" it or "stop"
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightsConfig:
-  """Trainer → sampler weight push: bucketing of the device-to-device transfer."""
-  bucket: str = "whole"          # "whole", "per_layer" or "bytes" (with bucket_bytes)
-  bucket_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +201,6 @@ class RunConfig:
   optimizer: OptimizerSection
   rollout: RolloutConfig
   controller: ControllerConfig
-  param_server: WeightsConfig
   data: DataConfig
   reward: RewardConfig
   eval: EvalConfig
@@ -223,7 +214,7 @@ class RunConfig:
 
 
 _SECTIONS = {"init": InitConfig, "optimizer": OptimizerSection, "rollout": RolloutConfig,
-             "controller": ControllerConfig, "param_server": WeightsConfig, "data": DataConfig,
+             "controller": ControllerConfig, "data": DataConfig,
              "reward": RewardConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "plan": PlanConfig}
 _TOP = ("seed", "workdir", "deterministic", "model", "topology", "algorithm", "faults", *_SECTIONS)
 
@@ -372,13 +363,11 @@ def validate(run: RunConfig) -> None:
        "the rollouts generated ahead of the trainer)"),
       (not (run.deterministic and r.inflight_updates),
        "deterministic=True is incompatible with rollout.inflight_updates=True"),
-      (not r.inflight_updates or r.decode_chunk > 0, "rollout.inflight_updates=True needs rollout.decode_chunk > 0"),
       (r.samples_per_prompt >= 1, f"rollout.samples_per_prompt={r.samples_per_prompt} must be >= 1"),
       (r.prompts_per_step >= 1, f"rollout.prompts_per_step={r.prompts_per_step} must be >= 1"),
       (r.max_prompt_len >= 1, f"rollout.max_prompt_len={r.max_prompt_len} must be >= 1"),
       (r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1"),
-      (r.decode_chunk >= 0, f"rollout.decode_chunk={r.decode_chunk} must be >= 0"),
-      (r.engine in ("continuous", "static"), f"rollout.engine={r.engine!r} must be 'continuous' or 'static'"),
+      (r.decode_chunk >= 1, f"rollout.decode_chunk={r.decode_chunk} must be >= 1"),
       (r.slots >= -1, f"rollout.slots={r.slots} must be >= -1"),
       (r.slots <= 0 or r.slots % math.lcm(r.samples_per_prompt, max(1, e.n_samples)) == 0,
        f"rollout.slots={r.slots} must be a multiple of rollout.samples_per_prompt={r.samples_per_prompt} and "
@@ -411,10 +400,6 @@ def validate(run: RunConfig) -> None:
       (ck.every_steps >= 0 and ck.every_seconds >= 0,
        "checkpoint.every_steps and checkpoint.every_seconds must be >= 0 (0: off)"),
       (ck.grace_seconds > 0, f"checkpoint.grace_seconds={ck.grace_seconds} must be > 0"),
-      (run.param_server.bucket in ("whole", "per_layer", "bytes"),
-       f"param_server.bucket={run.param_server.bucket!r}: use 'whole', 'per_layer' or 'bytes'"),
-      (run.param_server.bucket != "bytes" or run.param_server.bucket_bytes > 0,
-       "param_server.bucket='bytes' needs param_server.bucket_bytes > 0"),
       (run.reward.workers >= 1 and run.reward.timeout_s > 0,
        "reward.workers must be >= 1 and reward.timeout_s > 0"),
       (run.reward.memory_mb >= 1 and run.reward.max_chars >= 1,

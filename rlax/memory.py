@@ -18,8 +18,8 @@ gives the exact per-program figures for a target TPU topology, at the price of c
 Three XLA:CPU facts the estimate encodes (platform "cpu"), each seen in the compiled programs: bf16/f16
 compute is upcast, so activations and weight copies cost f32 bytes; `remat` saves memory only with
 `scan_layers` (over unrolled layers the scheduler hoists the recomputation and keeps every layer's
-activations); and unrolled micro-batches (up to `MAX_UNROLLED_MICRO_BATCHES`) are all live at once, only
-a scan over more holds one. Other platforms are assumed to honour remat and micro-batches and to keep
+activations); and micro-batches are a scan (unrolled ones would all be live at once), so one micro-batch's
+activations are live. Other platforms are assumed to honour remat and micro-batches and to keep
 activations in the compute dtype; that is not measured here.
 """
 
@@ -38,7 +38,8 @@ from rlax import builders
 from rlax import models
 from rlax.config import RunConfig
 from rlax.models import sharding as shd
-from rlax.trainer.state import MAX_UNROLLED_MICRO_BATCHES
+from rlax.sampler import layouts, sizing
+from rlax.sampler.engine import make_layout
 
 GIB = 2 ** 30
 
@@ -149,21 +150,6 @@ def _layer_acts(cfg: models.ModelConfig, tokens: int, keys: int, tensor: int, is
 
 
 # -- the estimate ----------------------------------------------------------------------------------------
-def sampler_batch_size(run: RunConfig) -> int:
-  """Rows the sampler's KV cache holds (as `builders.sampler` sizes it): the continuous engine's slots
-  (rollout.slots = -1 sizes them to fit, so the default is the estimate), or for the static engine a
-  rollout or an eval call of 16 prompts x eval.n_samples."""
-  if run.rollout.engine == "continuous":
-    return run.rollout.decode_slots(run.eval.n_samples)
-  return max(run.rollout.rows, run.eval.n_samples * 16)
-
-
-def _sampler_rows_note(run: RunConfig) -> str:
-  if run.rollout.engine == "continuous":
-    return "continuous engine's decode slots (rollout.slots)"
-  return "max(rollout rows, eval.n_samples x 16)"
-
-
 def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dict) -> dict[str, int]:
   cfg, r = run.model, run.rollout
   trainer = builders.trainer(run, mesh)  # the runtime's own layouts
@@ -173,8 +159,7 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   batch = trainer.abstract_batch(r.rows, seq, with_ref=kl, prompt_len=r.max_prompt_len)
   n_micro = trainer.num_micro_batches(r.rows, seq)
   rows = r.rows // shd.row_shards(mesh, r.rows) // n_micro  # per device, per micro-batch
-  # XLA:CPU runs unrolled micro-batches side by side: all of them are live at once; a scan runs one.
-  live = n_micro if platform == "cpu" and n_micro <= MAX_UNROLLED_MICRO_BATCHES else 1
+  live = 1  # micro-batches are a scan: one is live (rlax.trainer.state.accumulate_gradients)
   tensor = dict(mesh.shape)["tensor"]
   isz = _act_itemsize(cfg, platform)
   params = _tree_bytes(state.params)
@@ -211,47 +196,49 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
               critic=critic, batch=_tree_bytes(batch), activations=int(live * acts), logits=int(live * logits))
 
 
-def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dict) -> dict[str, int]:
+def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dict,
+                   budget: Optional[int]) -> dict[str, int]:
   cfg, r = run.model, run.rollout
   dt = cfg.jnp_dtype
-  B = sampler_batch_size(run)
   S = r.max_prompt_len + r.max_new_tokens
+  B = builders.slots(run, mesh, budget)  # the runtime's own sizing (rollout.slots=-1: what the budget holds)
+  layout = make_layout(cfg, "auto", r.max_prompt_len, r.max_new_tokens, platform=platform)
+  mem = sizing.sampler_memory(cfg, layout, B, S, mesh)
   b = B // shd.row_shards(mesh, B)  # rows per device
   tensor = dict(mesh.shape)["tensor"]
-  weights = _param_bytes(cfg, mesh, dt.itemsize)
   # Deterministic runs keep the k + 1 newest versions; a push in flight adds one next to the one in use.
   keep = run.controller.max_staleness + 1 if run.deterministic else 1
-  kv_div = tensor if cfg.n_kv_heads % tensor == 0 else 1
-  cache = lambda rows, slots: models.cache_bytes(cfg, rows, slots) // kv_div
-  kv = cache(b, S)  # the engine's accounting: every row's cache as long as the whole sequence
   isz = _act_itemsize(cfg, platform)
   layer_w = _param_bytes(cfg, mesh, max(isz, dt.itemsize), "layers")  # per-layer slices (f32 on CPU)
   vocab = _split(cfg.vocab_size, tensor)
   sampling = _SAMPLING_COPIES * b * vocab * 4
   groups = min(r.samples_per_prompt, run.eval.n_samples)
   prompts = max(1, b // groups)  # distinct prompts one prefill runs
-  prefill = (layer_w + 2 * cache(prompts, r.max_prompt_len) + sampling
+  prefill = (layer_w + sizing.recompute_bytes(cfg, prompts, r.max_prompt_len) + sampling
              + _layer_acts(cfg, prompts * r.max_prompt_len, r.max_prompt_len, tensor, isz, _INFER_PER_ELEM))
-  # A weight swap between decode chunks recomputes the whole cache (sampler.loop.refill).
-  swaps = r.decode_chunk or r.engine == "continuous"  # the continuous engine streams across weight versions
-  refill = (layer_w + 2 * kv + _layer_acts(cfg, b * S, S, tensor, isz, _INFER_PER_ELEM)) if swaps else 0
+  # A weight swap recomputes every slot's cache (sampler.slots.recompute); the engine streams across versions.
+  refill = layer_w + mem["transient"] + _layer_acts(cfg, b * S, S, tensor, isz, _INFER_PER_ELEM)
   tied_head = cfg.d_model * vocab * max(isz, dt.itemsize) if cfg.tie_embeddings else 0  # embed.T copy
   decode = layer_w + tied_head + sampling  # the fused per-layer weights live through the decode loop
   scratch = max(prefill, refill, decode)
   which = "decode" if scratch == decode else "refill" if scratch == refill else "prefill"
+  kind = "paged pool" if isinstance(layout, layouts.Paged) else "dense"
+  slots_note = "rollout.slots = -1: as many as the budget holds" if r.slots == -1 else "rollout.slots"
   notes.update({
       "sampler.weights": f"{cfg.dtype} (the compute dtype)",
       "sampler.spare_weights": f"{keep} more version(s): the newest kept / arriving while the sampler uses one",
-      "sampler.kv_cache": f"{b} rows x {S} slots per device ({B} rows: {_sampler_rows_note(run)})",
+      "sampler.kv_cache": f"{b} slots x {S} tokens per device ({B} slots: {slots_note}; {kind} layout)",
       "sampler.scratch": f"largest program scratch: {which} (weight copies, sampling buffers, activations)",
   })
-  return dict(weights=weights, spare_weights=keep * weights, kv_cache=kv, scratch=int(scratch))
+  return dict(weights=mem["params"], spare_weights=keep * mem["params"], kv_cache=mem["cache"], scratch=int(scratch))
 
 
 def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,
-             platform: Optional[str] = None) -> MemoryEstimate:
+             platform: Optional[str] = None, sampler_budget_bytes: Optional[int] = None) -> MemoryEstimate:
   """Per-device bytes of `run`'s trainer step on `trainer_devices` devices and of its sampler on
-  `sampler_devices` (the topology's mesh shapes); `platform` defaults to the default backend's."""
+  `sampler_devices` (the topology's mesh shapes); `platform` defaults to the default backend's.
+  sampler_budget_bytes: what rollout.slots=-1 sizes the slots to (default: this host's first device's budget,
+  as `builders.slots`)."""
   platform = platform or jax.default_backend()
   topo = run.topology
   if topo.colocated and trainer_devices != sampler_devices:
@@ -261,28 +248,12 @@ def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,
   smesh = abstract_mesh(topo.sampler_mesh, sampler_devices, "sampler")
   notes: dict[str, str] = {}
   trainer = _trainer_items(run, tmesh, platform, notes)
-  sampler = _sampler_items(run, smesh, platform, notes)
+  sampler = _sampler_items(run, smesh, platform, notes, sampler_budget_bytes)
   return MemoryEstimate(trainer, sampler, trainer_devices, sampler_devices, topo.colocated, notes,
                         dict(tmesh.shape), dict(smesh.shape))
 
 
 # -- budgets and the check -------------------------------------------------------------------------------
-def device_budget_bytes(device) -> int:
-  """Bytes one device may use: the accelerator's `memory_stats()["bytes_limit"]`; for a CPU device, its
-  even share of the host's RAM (every fake CPU device lives in the same RAM, so `check` with
-  shared_host=True compares the sum over devices against the sum of these shares)."""
-  try:
-    stats = device.memory_stats()
-  except Exception:  # CPU devices and some backends do not implement it
-    stats = None
-  if stats and "bytes_limit" in stats:
-    return int(stats["bytes_limit"])
-  if device.platform == "cpu":
-    import psutil  # pylint: disable=g-import-not-at-top
-    return psutil.virtual_memory().total // max(1, len(jax.local_devices(backend="cpu")))
-  raise ValueError(f"device {device} reports no memory_stats()['bytes_limit']; pass the budget explicitly")
-
-
 def _trainer_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
   t = est.trainer
   state = t["params"] + t["opt_state"] + t["grads"] + t["ref_params"]
@@ -308,10 +279,8 @@ def _sampler_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
   s = est.sampler
   if s["weights"] + s["spare_weights"] >= s["kv_cache"] + s["scratch"]:
     return "shard the sampler's weights (topology.sampler_mesh.tensor > 1) or give it more devices"
-  if run is not None and run.rollout.engine == "continuous":
-    return f"lower rollout.max_new_tokens or rollout.slots ({sampler_batch_size(run)} decode slots)"
-  rows = "" if run is None else f" ({run.rollout.rows} rollout rows; eval.n_samples x 16 = {run.eval.n_samples * 16})"
-  return f"lower rollout.max_new_tokens or the sampler batch{rows}"
+  slots = "" if run is None else f" ({run.rollout.decode_slots(run.eval.n_samples)} decode slots)"
+  return f"lower rollout.max_new_tokens or rollout.slots{slots}"
 
 
 def check(est: MemoryEstimate, trainer_budget_bytes: int, sampler_budget_bytes: int, *,
@@ -360,5 +329,5 @@ def check_topology(run: RunConfig, topology) -> MemoryEstimate:
     share = psutil.virtual_memory().total // used
     check(est, share, share, shared_host=True, run=run)
   else:
-    check(est, device_budget_bytes(tdevs[0]), device_budget_bytes(sdevs[0]), run=run)
+    check(est, sizing.device_budget(tdevs[0]), sizing.device_budget(sdevs[0]), run=run)
   return est

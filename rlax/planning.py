@@ -7,10 +7,10 @@ The devices come from `jax.experimental.topologies.get_topology_desc(c.plan.topo
 num_slices=...)` (needs the `tpu` extra: jax[tpu] / libtpu; no TPU attached), or from the local backend
 when `c.plan.topology` is "local" (tests use 8 fake CPU devices). Either way they go through the same
 `build_topology` the runtime uses, and the same objects build the programs through their public lowerings
-only (`Trainer.abstract_state` / `abstract_batch` / `lower_step`, `Sampler.abstract_params` / `lower_prefill`
-/ `lower_decode`, `CrossMeshPush.lowered`), so the plan cannot drift from the runtime's layouts. The paged decode
-step (`rlax.sampler.paged`, with jax's Pallas paged-attention kernel on TPU) is planned beside the engine's
-decode chunk on the same mesh and weights. `c.plan.programs` restricts the plan to some programs. Each program
+only (`Trainer.abstract_state` / `abstract_batch` / `lower_step`, `Sampler.abstract_state` / `lower_admit` /
+`lower_decode`, `CrossMeshPush.lowered`), so the plan cannot drift from the runtime's layouts: on TPU the
+sampler's decode chunk is the paged layout's (jax's Pallas paged-attention kernel where it compiles), exactly
+what a run decodes with. `c.plan.programs` restricts the plan to some programs. Each program
 is lowered with ShapeDtypeStructs carrying its mesh's shardings and compiled; `memory_analysis()` gives per-chip
 bytes and `cost_analysis()` per-chip FLOPs and bytes accessed. Times are a roofline estimate,
 max(flops / peak, bytes / HBM bandwidth), i.e. perfect overlap and full MXU use: a lower bound.
@@ -34,12 +34,12 @@ from rlax import builders
 from rlax import config as config_lib
 from rlax import models
 from rlax.multihost import CrossMeshPush, transport_spec
-from rlax.sampler import Sampler, Temperature, paged
+from rlax.sampler import Sampler, Temperature, layouts, paged, sizing
 from rlax.topology import Topology, build_topology
 from rlax.trainer import Trainer
 
 GIB = 2 ** 30
-PROGRAMS = ("trainer_step", "sampler_prefill", "sampler_decode", "sampler_decode_paged", "push_to_transport",
+PROGRAMS = ("trainer_step", "sampler_prefill", "sampler_admit", "sampler_decode", "push_to_transport",
             "push_cross", "push_to_sampler")
 
 
@@ -141,15 +141,17 @@ def _no_fit(name: str, need: float, chip: Chip, what: str, knob: str) -> str:
           f"(over by {(need - chip.hbm_bytes) / GIB:.3g} GiB; {what}); try {knob}")
 
 
-def build_sampler(c: config_lib.RunConfig, mesh: Mesh) -> Sampler:
-  """The sampler engine on `mesh` with one prompt bucket (max_prompt_len) and one batch bucket (plan.sampler_batch).
+def build_sampler(c: config_lib.RunConfig, mesh: Mesh, scan: bool | None = None) -> Sampler:
+  """The sampling engine the runtime builds, on `mesh` with `c.plan.sampler_batch` slots; its cache layout is
+  the runtime's for these devices (on TPU: the paged pool, with jax's Pallas kernel where it compiles).
 
-  No memory budget: the plan measures memory from the compiled programs instead.
+  No memory budget: the plan measures memory from the compiled programs instead. scan: override
+  `c.model.scan_layers` (False: the layers unrolled, which XLA's cost analysis counts in full).
   """
   r = c.rollout
-  return Sampler(c.model, mesh, max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
-                 batch_buckets=(c.plan.sampler_batch,), prompt_buckets=(r.max_prompt_len,), eos_id=0,
-                 decode_chunk=r.decode_chunk or None, memory_budget_bytes=1 << 62)
+  cfg = c.model if scan is None else c.model.replace(scan_layers=scan)
+  return Sampler(cfg, mesh, max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
+                 slots=c.plan.sampler_batch, eos_id=0, decode_chunk=r.decode_chunk, memory_budget_bytes=1 << 62)
 
 
 def trainer_program(c: config_lib.RunConfig, trainer: Trainer, chip: Chip) -> jax.stages.Lowered:
@@ -171,9 +173,10 @@ def trainer_program(c: config_lib.RunConfig, trainer: Trainer, chip: Chip) -> ja
 
 
 def sampler_programs(c: config_lib.RunConfig, sampler: Sampler, chip: Chip) -> dict[str, Any]:
-  """Thunks lowering `sampler`'s prefill and decode chunk for `c.plan.sampler_batch` rows."""
+  """Thunks lowering the engine's programs through its public lowerings: the prefill of a full admission
+  (every slot's group at once), its admission into the slots, and the decode chunk over all slots."""
   r = c.rollout
-  B, G = c.plan.sampler_batch, r.samples_per_prompt
+  B, G = sampler.slots, r.samples_per_prompt
   if B % G:
     raise ValueError(f"plan.sampler_batch={B} is not a multiple of rollout.samples_per_prompt={G}")
   resident = sampler.memory["params"] + sampler.memory["cache"]  # the engine's own accounting
@@ -181,81 +184,42 @@ def sampler_programs(c: config_lib.RunConfig, sampler: Sampler, chip: Chip) -> d
     raise PlanError(_no_fit("sampler_decode", resident, chip, "params + KV cache alone",
                             f"{_KNOBS['sampler_decode'][0]} or {_KNOBS['sampler_decode'][1]}"))
   strategy = Temperature(r.temperature)
-  return {"sampler_prefill": lambda: sampler.lower_prefill(B // G, r.max_prompt_len, G, strategy),
-          "sampler_decode": lambda compiled_prefill: sampler.lower_decode(compiled_prefill, strategy)}
+  admit = functools.lru_cache(maxsize=1)(lambda: sampler.lower_admit(B // G, G, strategy))
+  return {"sampler_prefill": lambda: admit()["prefill"], "sampler_admit": lambda: admit()["admit"],
+          "sampler_decode": lambda: sampler.lower_decode(strategy)}
 
 
-def paged_page_size(max_len: int) -> int:
-  """Tokens per KV page: 1/16 of the context rounded up to a power of two, within [16, 128] (jax's
-  `get_min_page_size` rule; 128 = one (128, 128) tile of keys at head_dim 128)."""
-  return min(128, max(16, (1 << max(0, max_len - 1).bit_length()) // 16))
+def decode_counts(c: config_lib.RunConfig, sampler: Sampler, unrolled: jax.stages.Compiled) -> dict[str, Any]:
+  """Per-chip bytes of one decode step, which the scanned program's cost analysis cannot give.
 
-
-def paged_attention_kind(cfg: models.ModelConfig, mesh: Mesh) -> str:
-  """"kernel" (jax's Pallas paged attention) on TPU devices for a model it compiles for, else "reference"."""
-  tpu = next(iter(mesh.devices.flat)).platform == "tpu"
-  return "kernel" if tpu and paged.kernel_supports(cfg) else "reference"
-
-
-def paged_decode_program(c: config_lib.RunConfig, sampler: Sampler, scan: bool | None = None) -> jax.stages.Lowered:
-  """One paged decode step (`rlax.sampler.paged.decode_step`) for `c.plan.sampler_batch` slots at the full
-  context (max_prompt_len + max_new_tokens) on `sampler.mesh`, lowered; the cache is donated.
-
-  Weights are the sampler's (`sampler.abstract_params()`); the page pool holds exactly every slot's pages and
-  is sharded by `paged.cache_shardings` (pages and slots over data, KV heads over tensor). On TPU devices the
-  attention is jax's Pallas paged-attention kernel (when `paged.kernel_supports` the model), elsewhere the jnp
-  reference (Mosaic compiles for TPU only).
-  scan: override `c.model.scan_layers` (False: the layers unrolled, which XLA's cost analysis counts in full).
+  XLA counts a loop body once and cannot see into a Mosaic kernel, so the chunk is compiled with its layers
+  unrolled (`unrolled`; XLA then counts every layer of the step; TPU's count is of HBM traffic after
+  memory-space assignment) and on the paged layout the kernel's own count is added (jax's kernel carries no cost
+  estimate: `paged.kernel_cost`, every page of every slot at the full context, q and output in f32). Compared
+  with what a step must read: the weights and the KV cache per chip.
   """
-  r, mesh = c.rollout, sampler.mesh
-  cfg = c.model if scan is None else c.model.replace(scan_layers=scan)
-  S, max_len = c.plan.sampler_batch, r.max_prompt_len + r.max_new_tokens
-  cache = paged.abstract_cache(cfg, S, max_len, paged_page_size(max_len), mesh)
-  rows = lambda dt: jax.ShapeDtypeStruct((S,), dt, sharding=cache.lengths.sharding)
-  logits = NamedSharding(mesh, models.spec_for(("batch", "act_vocab"), (S, cfg.vocab_size), dict(mesh.shape)))
-  step = jax.jit(functools.partial(paged.decode_step, attention=paged_attention_kind(cfg, mesh)),
-                 static_argnums=1, donate_argnums=2,
-                 out_shardings=(logits, jax.tree.map(lambda x: x.sharding, cache)))
-  with jax.set_mesh(mesh):
-    return step.lower(sampler.abstract_params(), cfg, cache, rows(jnp.int32), rows(jnp.bool_))
-
-
-def paged_decode_counts(c: config_lib.RunConfig, sampler: Sampler,
-                        unrolled: jax.stages.Compiled | None = None) -> dict[str, Any]:
-  """Per-chip bytes of one paged decode step, which the scanned program's cost analysis cannot give.
-
-  XLA counts a scan body once and cannot see into a Mosaic kernel, so the step is also compiled with its
-  layers unrolled (XLA counts every layer; TPU's count is of HBM traffic after memory-space assignment, so it
-  is not a sum of per-layer figures) and the kernel's own count is added (jax's kernel carries no cost
-  estimate: `paged.kernel_cost`, every page of every slot at the full context, q and output in f32).
-  Compared with what a step must read: the weights and the KV cache per chip. unrolled: the step already
-  compiled with its layers unrolled (when the model does not scan them), else it is compiled here.
-  """
-  r, cfg, mesh = c.rollout, c.model, sampler.mesh
-  S, max_len = c.plan.sampler_batch, r.max_prompt_len + r.max_new_tokens
-  page = paged_page_size(max_len)
-  t0 = time.perf_counter()
-  cost = (unrolled or paged_decode_program(c, sampler, scan=False).compile()).cost_analysis()
-  unrolled_s = time.perf_counter() - t0 if unrolled is None else 0.0
+  r, cfg, mesh, lay = c.rollout, c.model, sampler.mesh, sampler.layout
+  S, max_len = sampler.slots, r.max_prompt_len + r.max_new_tokens
+  cost = unrolled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
   xla = float(cost.get("bytes accessed", 0.0))
-  cache = paged.abstract_cache(cfg, S, max_len, page, mesh)
-  attention = paged_attention_kind(cfg, mesh)
   kernel = dict(bytes_accessed=0.0, flops=0.0, pages_read=0)
-  if attention == "kernel":  # per chip: its own slots and KV heads (and their query heads)
-    s_loc = cache.lengths.sharding.shard_shape((S,))[0]
-    k_loc = cache.k.sharding.shard_shape(cache.k.shape)[0]
+  paged_layout = isinstance(lay, layouts.Paged)
+  if paged_layout and lay.attention == "kernel":  # per chip: its own slots and KV heads (and their query heads)
+    state = sampler.abstract_state()
+    s_loc = state.t.sharding.shard_shape((S,))[0]
+    k_loc = state.cache.k.sharding.shard_shape(state.cache.k.shape)[0]
     local = cfg.replace(n_kv_heads=k_loc, n_heads=cfg.n_heads // cfg.n_kv_heads * k_loc)
-    ppb = paged.default_pages_per_block(paged.pages_per_slot(max_len, page), page)  # what decode_step uses
-    kernel = paged.kernel_cost(local, [max_len] * s_loc, page, ppb, q_dtype=jnp.float32)
-  weights = sum(_shard_bytes(x) for x in jax.tree.leaves(sampler.abstract_params()))
-  kv = _shard_bytes(cache.k) + _shard_bytes(cache.v)
+    ppb = paged.default_pages_per_block(lay.pages, lay.page_size)  # what the kernel call uses
+    kernel = paged.kernel_cost(local, [max_len] * s_loc, lay.page_size, ppb, q_dtype=jnp.float32)
+  weights = sizing.weight_bytes(cfg, mesh)
+  kv = sizing.kv_bytes(cfg, lay, S, mesh)
   step = xla + kernel["bytes_accessed"]
-  return dict(attention=attention, page_size=page, slots=S, context=max_len,
-              pool_pages=cache.k.shape[2], xla_step_bytes=xla, xla_step_flops=float(cost.get("flops", 0.0)),
-              kernel_bytes=kernel["bytes_accessed"], kernel_flops=kernel["flops"],
-              kernel_pages_read=kernel["pages_read"], step_bytes=step, weights_bytes=weights, kv_bytes=kv,
-              ratio=step / max(weights + kv, 1), unrolled_compile_s=unrolled_s)
+  return dict(layout="paged" if paged_layout else "dense", attention=lay.attention if paged_layout else "dense",
+              page_size=lay.page_size if paged_layout else 0, slots=S, context=max_len,
+              xla_step_bytes=xla, xla_step_flops=float(cost.get("flops", 0.0)), kernel_bytes=kernel["bytes_accessed"],
+              kernel_flops=kernel["flops"], kernel_pages_read=kernel["pages_read"], step_bytes=step,
+              weights_bytes=weights, kv_bytes=kv, ratio=step / max(weights + kv, 1))
 
 
 def _analyze(name: str, mesh_desc: str, lower, chip: Chip, extra_s: float = 0.0) -> tuple[Program, Any]:
@@ -340,17 +304,19 @@ def make_plan(c) -> dict[str, Any]:
     progs.append(_analyze("trainer_step", desc_t, lambda: trainer_program(c, trainer, chip), chip)[0])
   sampler = build_sampler(c, topo.sampler_mesh)
   first = build_sampler(c, on_first_slices(topo.sampler_mesh, devices))
-  paged_counts = None
-  if {"sampler_prefill", "sampler_decode"} & set(want):  # the decode chunk is lowered on the prefill's output
+  decode = None
+  if {"sampler_prefill", "sampler_admit", "sampler_decode"} & set(want):
     sp = sampler_programs(c, first, chip)
-    prog, compiled_prefill = _analyze("sampler_prefill", desc_s, sp["sampler_prefill"], chip)
-    progs.append(prog)
+    for name in ("sampler_prefill", "sampler_admit"):
+      if name in want:
+        progs.append(_analyze(name, desc_s, sp[name], chip)[0])
   if "sampler_decode" in want:
-    progs.append(_analyze("sampler_decode", desc_s, lambda: sp["sampler_decode"](compiled_prefill), chip)[0])
-  if "sampler_decode_paged" in want:
-    prog, compiled = _analyze("sampler_decode_paged", desc_s, lambda: paged_decode_program(c, first), chip)
+    prog, compiled = _analyze("sampler_decode", desc_s, sp["sampler_decode"], chip)
     progs.append(prog)
-    paged_counts = paged_decode_counts(c, first, unrolled=None if cfg.scan_layers else compiled)
+    t0 = time.perf_counter()
+    if first.layout.scans and cfg.scan_layers:  # XLA counts a scanned layer once: count the unrolled chunk
+      compiled = build_sampler(c, first.mesh, scan=False).lower_decode(Temperature(c.rollout.temperature)).compile()
+    decode = dict(decode_counts(c, first, compiled), unrolled_compile_s=time.perf_counter() - t0)
   if not topo.colocated and {"push_to_transport", "push_cross", "push_to_sampler"} & set(want):
     target = sampler.abstract_params()  # the layout and dtype the sampler holds its weights in
     push = CrossMeshPush(topo.trainer_mesh, topo.sampler_mesh, jax.tree.map(lambda x: x.sharding, target),
@@ -362,11 +328,11 @@ def make_plan(c) -> dict[str, Any]:
     for name, lowered in parts.items():
       if name in want:
         progs.append(_analyze(name, _mesh_desc(meshes[name]), lambda: lowered, chip, extra_s=lower_s)[0])
-  return _table(c, chip, cfg, topo, progs, devices, trainer, sampler, paged_counts)
+  return _table(c, chip, cfg, topo, progs, devices, trainer, sampler, decode)
 
 
 def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[Program], devices, trainer: Trainer,
-           sampler: Sampler, paged_counts: dict[str, Any] | None = None) -> dict[str, Any]:
+           sampler: Sampler, decode: dict[str, Any] | None = None) -> dict[str, Any]:
   r = c.rollout
   rows = r.rows
   seq = r.max_prompt_len + r.max_new_tokens
@@ -386,20 +352,11 @@ def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[P
     by["sampler_prefill"].est_bytes = by["sampler_prefill"].argument_bytes + by["sampler_prefill"].output_bytes
     estimates.update(prefill_s=by["sampler_prefill"].roofline_s(chip))
   if "sampler_decode" in by:
-    # One decode step reads every weight and the whole cache (the engine attends over all slots).
+    # Its bytes are counted, not assumed: XLA over the unrolled layers (+ the kernel's page reads).
     by["sampler_decode"].est_flops = model_flops(cfg, B, seq) / n_sa
-    by["sampler_decode"].est_bytes = by["sampler_decode"].argument_bytes
-    decode_s, analytic_s = by["sampler_decode"].roofline_s(chip), by["sampler_decode"].analytic_s(chip)
-    estimates.update(decode_token_step_s=decode_s, sampler_tokens_per_s=B / max(decode_s, 1e-12),
-                     analytic_decode_token_step_s=analytic_s,
-                     analytic_sampler_tokens_per_s=B / max(analytic_s, 1e-12))
-  if "sampler_decode_paged" in by:
-    # Its bytes are counted, not assumed: XLA over the unrolled layers + the kernel's page reads.
-    by["sampler_decode_paged"].est_flops = model_flops(cfg, B, seq) / n_sa
-    by["sampler_decode_paged"].est_bytes = paged_counts["step_bytes"]
-    paged_s = by["sampler_decode_paged"].roofline_s(chip)
-    estimates.update(paged_decode_token_step_s=paged_s, paged_sampler_tokens_per_s=B / max(paged_s, 1e-12),
-                     paged_decode=paged_counts)
+    by["sampler_decode"].est_bytes = decode["step_bytes"]
+    decode_s = by["sampler_decode"].roofline_s(chip)
+    estimates.update(decode_token_step_s=decode_s, sampler_tokens_per_s=B / max(decode_s, 1e-12), decode=decode)
   slices = {getattr(d, "slice_index", 0) for d in topo.devices_of(topo.assignment.trainer)}
   cross_dcn = not slices & {getattr(d, "slice_index", 0) for d in topo.devices_of(topo.assignment.sampler)}
   estimates.update(push=push_estimate(trainer, sampler, chip, cross_dcn and not topo.colocated))
@@ -414,8 +371,9 @@ def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[P
                        time=("roofline max(flops/peak, bytes/hbm_bw) per chip; flops/bytes = max(cost_analysis, "
                              "analytic count: 2 x matmul params x tokens + attention, x4 with remat for training; "
                              "decode reads all weights + cache per token); a lower bound"),
-                       paged=("sampler_decode_paged bytes = XLA's count of the step with its layers unrolled + "
-                              "the kernel's page reads (jax's kernel ships no cost estimate)"),
+                       decode=("sampler_decode bytes per token step = XLA's count of the chunk's loop body with "
+                               "its layers unrolled + on the paged layout the kernel's page reads (jax's kernel "
+                               "ships no cost estimate)"),
                        push="bandwidth model: transport (ICI) + cross (DCN across slices) + gather (ICI)"),
       programs=[dict(dataclasses.asdict(q), peak_bytes=q.peak_bytes, peak_gib=round(q.peak_bytes / GIB, 3),
                      hbm_frac=round(q.peak_bytes / chip.hbm_bytes, 4), roofline_s=q.roofline_s(chip),
@@ -434,8 +392,8 @@ _KNOBS = {
                         "more tensor parallelism (topology.sampler_mesh.tensor)"),
     "sampler_decode": ("fewer rows per call (plan.sampler_batch) or shorter rollout.max_new_tokens",
                        "more tensor parallelism (topology.sampler_mesh.tensor)"),
-    "sampler_decode_paged": ("fewer slots (plan.sampler_batch) or shorter rollout.max_new_tokens",
-                             "more tensor parallelism (topology.sampler_mesh.tensor)"),
+    "sampler_admit": ("fewer slots (plan.sampler_batch) or shorter rollout.max_new_tokens",
+                      "more tensor parallelism (topology.sampler_mesh.tensor)"),
 }
 
 

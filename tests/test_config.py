@@ -65,7 +65,7 @@ def test_relative_workdir_becomes_absolute(tmp_path, monkeypatch):
     ("algorithm.name", "ppo2", "unknown algorithm 'ppo2'"),
     ("algorithm.overrides", {"critic_init": "x"}, "critic_init='x'"),
     ("workdir", "", "workdir"),
-    ("param_server.bucket", "layers", "param_server.bucket"),
+    ("rollout.decode_chunk", 0, "rollout.decode_chunk=0 must be >= 1"),
     ("controller.on_nonfinite", "ignore", "controller.on_nonfinite='ignore': use 'skip' or 'stop'"),
     ("reward.memory_mb", 0, "reward.memory_mb=0 and reward.max_chars=1048576 must be >= 1"),
 ])
@@ -103,7 +103,7 @@ def test_every_field_is_read_by_the_code():
   """A knob that nothing reads does not exist: each typed field is read as `.field` somewhere in rlax/."""
   source = "\n".join(p.read_text() for p in (ROOT / "rlax").rglob("*.py"))  # definitions have no leading dot
   sections = [config_lib.RunConfig, config_lib.InitConfig, config_lib.OptimizerSection, config_lib.RolloutConfig,
-              config_lib.ControllerConfig, config_lib.WeightsConfig, config_lib.DataConfig, config_lib.RewardConfig,
+              config_lib.ControllerConfig, config_lib.DataConfig, config_lib.RewardConfig,
               config_lib.EvalConfig, config_lib.CheckpointConfig, config_lib.FaultsConfig, config_lib.PlanConfig]
   unread = [f"{cls.__name__}.{f.name}" for cls in sections for f in dataclasses.fields(cls)
             if not re.search(rf"\.{f.name}\b", source)]
@@ -115,7 +115,7 @@ def test_base_config_has_only_typed_fields():
   c = base.get_config()
   typed = {"init": config_lib.InitConfig, "optimizer": config_lib.OptimizerSection,
            "rollout": config_lib.RolloutConfig, "controller": config_lib.ControllerConfig,
-           "param_server": config_lib.WeightsConfig, "data": config_lib.DataConfig,
+           "data": config_lib.DataConfig,
            "reward": config_lib.RewardConfig, "eval": config_lib.EvalConfig,
            "checkpoint": config_lib.CheckpointConfig}
   for name, cls in typed.items():

@@ -1,6 +1,7 @@
 """rlax.memory: exact parts against hand counts and the runtime's own accounting, the modelled parts against
 XLA's compiled programs (`memory_analysis()`) within a stated factor, and the check's one-line refusals."""
 
+import dataclasses
 import re
 import types
 
@@ -12,7 +13,7 @@ from rlax import builders
 from rlax import config as config_lib
 from rlax import memory
 from rlax import models
-from rlax.sampler import Sampler, Temperature
+from rlax.sampler import Temperature, sizing
 from rlax.topology import build_topology
 
 GIB = memory.GIB
@@ -24,9 +25,8 @@ LOW, HIGH = 0.8, 1.6
 def _run(model=None, rollout=None, optimizer=None, topology=None, algorithm=None, eval_samples=1, **top):
   return config_lib.load(dict(
       workdir="unused", model=dict(preset="w1", overrides={**BASE, **(model or {})}),
-      # The static engine, whose compiled programs these tests measure; the continuous one has its own test.
-      rollout={**dict(prompts_per_step=4, samples_per_prompt=4, max_prompt_len=32, max_new_tokens=96,
-                      engine="static"), **(rollout or {})},
+      rollout={**dict(prompts_per_step=4, samples_per_prompt=4, max_prompt_len=32, max_new_tokens=96),
+               **(rollout or {})},
       optimizer=optimizer or {}, algorithm={**dict(name="grpo", kl_coef=0.0), **(algorithm or {})},
       eval=dict(n_samples=eval_samples),
       topology={**dict(slice_size=None, trainer_slices=1, colocated=False), **(topology or {})}, **top))
@@ -43,11 +43,8 @@ def _mesh(run, role, devices):
 
 
 def _sampler(run, mesh):
-  """The engine on `mesh` with the estimate's batch and one prompt bucket (as rlax.planning builds it)."""
-  r = run.rollout
-  return Sampler(run.model, mesh, max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
-                 batch_buckets=(memory.sampler_batch_size(run),), prompt_buckets=(r.max_prompt_len,), eos_id=0,
-                 decode_chunk=r.decode_chunk or None, memory_budget_bytes=1 << 62)
+  """The engine the runtime builds on `mesh`."""
+  return builders.sampler(run, mesh, types.SimpleNamespace(eos_ids=[0], pad_id=0))
 
 
 def test_exact_parts_match_hand_counts_and_the_engine():
@@ -58,7 +55,7 @@ def test_exact_parts_match_hand_counts_and_the_engine():
   assert t["params"] == 4 * n and t["ref_params"] == 4 * n  # f32 master weights, and the reference copy
   assert 2 * t["params"] <= t["opt_state"] <= 2 * t["params"] + 64  # Adam's two moments + step counters
   assert s["weights"] == 2 * n and s["spare_weights"] == 2 * n  # bf16; one version arriving next to the one in use
-  B, S = 64, 32 + 96  # max(16 rollout rows, 4 eval samples x 16)
+  B, S = 16, 32 + 96  # the batch's 16 rows, in whole groups of 4 (rollout and eval)
   assert s["kv_cache"] == 2 * cfg.n_layers * B * S * cfg.n_kv_heads * cfg.head_dim * 2
   # Sharded: the engine's own accounting on a real 4-device sampler mesh (data 2 x tensor 2).
   run = _run(model=dict(dtype="bfloat16"), eval_samples=4, topology=dict(sampler_mesh=dict(data=-1, fsdp=1, tensor=2)))
@@ -106,13 +103,9 @@ def test_estimate_within_factor_of_compiled_programs(case):
 
   sampler = _sampler(run, _mesh(run, "sampler", devs[8 - n_s:]))
   G = min(r.samples_per_prompt, run.eval.n_samples)  # the estimate's largest prefill: most distinct prompts
-  prefill = sampler.lower_prefill(sampler.batch_size // G, r.max_prompt_len, G, Temperature(1.0)).compile()
-  peaks = [_peak(prefill), _peak(sampler.lower_decode(prefill, Temperature(1.0)).compile())]
-  if r.decode_chunk:
-    state = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh), prefill.out_info,
-                         prefill.output_shardings)
-    with sampler._ctx():
-      peaks.append(_peak(sampler._refill.lower(sampler.abstract_params(), state).compile()))
+  admit = sampler.lower_admit(sampler.slots // G, G, Temperature(1.0))
+  peaks = [_peak(admit["prefill"].compile()), _peak(admit["admit"].compile()),
+           _peak(sampler.lower_decode(Temperature(1.0)).compile()), _peak(sampler.lower_recompute().compile())]
   ratio = (est.sampler_bytes - est.sampler["spare_weights"]) / max(peaks)
   assert LOW <= ratio <= HIGH, (case, "sampler", ratio, peaks, est.summary())
 
@@ -123,12 +116,30 @@ def test_remat_and_micro_batches_on_cpu_and_elsewhere():
   assert acts("cpu", remat=True, scan_layers=True) < none / 3
   assert acts("cpu", remat=True) == none  # XLA:CPU hoists the recomputation of unrolled layers
   assert acts("tpu", remat=True) < acts("tpu") / 3
-  # Unrolled micro-batches (<= 4) all live at once on CPU; a scan over 8 holds one.
+  # Micro-batches are a scan: one is live, on CPU as elsewhere.
   est = lambda tokens, platform="cpu": memory.estimate(_run(optimizer=dict(micro_batch_tokens=tokens)), 1, 1,
                                                        platform=platform).trainer
-  assert est(1024)["activations"] == est(0)["activations"] and est(1024)["grads"] == 1.5 * est(0)["grads"]
+  assert est(1024)["activations"] == pytest.approx(est(0)["activations"] / 2, rel=1e-6)
+  assert est(1024)["grads"] == 1.5 * est(0)["grads"]
   assert est(1024, "tpu")["activations"] == pytest.approx(est(0, "tpu")["activations"] / 2, rel=1e-6)
   assert est(256)["activations"] == pytest.approx(est(0)["activations"] / 8, rel=1e-6)
+
+
+def test_peak_memory_falls_as_micro_batch_tokens_fall():
+  """The compiled train step's peak (XLA:CPU's memory_analysis) and the estimate fall with every halving of
+  optimizer.micro_batch_tokens: 1, 2, 4 and 8 micro-batches of the 16 x 128-token batch."""
+  peaks, ests = [], []
+  for tokens in (0, 1024, 512, 256):
+    run = _run(model=dict(vocab_size=512, n_layers=2), optimizer=dict(micro_batch_tokens=tokens))
+    r = run.rollout
+    trainer = builders.trainer(run, None)
+    step = trainer.lower_step(trainer.abstract_state(), trainer.abstract_batch(
+        r.rows, r.max_prompt_len + r.max_new_tokens, with_ref=False, prompt_len=r.max_prompt_len)).compile()
+    peaks.append(_peak(step))
+    ests.append(memory.estimate(run, 1, 1).trainer_bytes)
+    assert trainer.num_micro_batches(r.rows, 128) == max(1, 2048 // max(tokens, 1) if tokens else 1)
+  assert all(a > b for a, b in zip(peaks, peaks[1:])), peaks
+  assert all(a > b for a, b in zip(ests, ests[1:])), ests
 
 
 def test_check_refuses_in_one_line_naming_the_knob():
@@ -157,23 +168,46 @@ def test_check_refuses_in_one_line_naming_the_knob():
   est = memory.estimate(run, 1, 1)
   assert est.sampler["kv_cache"] > est.sampler["weights"]
   with pytest.raises(ValueError, match=r"^sampler needs ~[\d.]+ GiB per device > [\d.]+ GiB available: lower "
-                                       r"rollout.max_new_tokens or the sampler batch \(16 rollout rows; "
-                                       r"eval.n_samples x 16 = 1024\)$"):
+                                       r"rollout.max_new_tokens or rollout.slots \(64 decode slots\)$"):
     memory.check(est, est.trainer_bytes, est.sampler_bytes - 1, run=run)
 
 
-def test_continuous_engine_cache_is_its_slots():
-  run = _run(model=dict(dtype="bfloat16"), eval_samples=8, rollout=dict(engine="continuous"))
+def test_engine_cache_is_its_slots():
+  run = _run(model=dict(dtype="bfloat16"), eval_samples=8)
   s = memory.estimate(run, 1, 1).sampler
   B, S = 16, 32 + 96  # 4 prompts x 4 samples, already whole groups of lcm(4, 8) = 8
   assert s["kv_cache"] == 2 * run.model.n_layers * B * S * run.model.n_kv_heads * run.model.head_dim * 2
   r = run.rollout
-  engine = builders.sampler(run, None, types.SimpleNamespace(eos_ids=[0], pad_id=0))
+  engine = _sampler(run, None)
   assert engine.slots == B and engine.memory["cache"] == s["kv_cache"]
   with pytest.raises(ValueError, match=r"lower rollout.max_new_tokens or rollout.slots \(16 decode slots\)$"):
     memory.check(memory.estimate(run, 1, 1), GIB, s["weights"], run=run)
-  assert r.decode_slots(8) == 16 and _run(rollout=dict(engine="continuous", prompts_per_step=3),
-                                          eval_samples=8).rollout.decode_slots(8) == 16
+  assert r.decode_slots(8) == 16 and _run(rollout=dict(prompts_per_step=3), eval_samples=8).rollout.decode_slots(8) == 16
+
+
+@pytest.mark.parametrize("budget_mib", [5, 6, None])
+def test_slots_sized_from_memory_agree_between_the_estimate_and_the_engine(budget_mib):
+  """rollout.slots=-1: the estimate and the engine the runtime builds size the same slots and bytes (one sizing
+  function), on a 4-device sampler mesh; the budget caps them, else this batch and the next one's prompts do."""
+  run = _run(rollout=dict(slots=-1), eval_samples=4, topology=dict(sampler_mesh=dict(data=-1, fsdp=1, tensor=2)))
+  mesh = _mesh(run, "sampler", jax.devices()[4:])
+  budget = None if budget_mib is None else budget_mib << 20
+  est = memory.estimate(run, 4, 4, sampler_budget_bytes=budget)
+  slots = builders.slots(run, mesh, budget)
+  engine = builders.sampler(run, mesh, types.SimpleNamespace(eos_ids=[0], pad_id=0)) if budget is None else None
+  if engine is not None:
+    assert engine.slots == slots and engine.memory["cache"] == est.sampler["kv_cache"]
+  assert slots % 4 == 0  # whole groups (4) on whole row shards (data 2)
+  one = memory.estimate(run.replace(rollout=dataclasses.replace(run.rollout, slots=8)), 4, 4).sampler["kv_cache"]
+  assert est.sampler["kv_cache"] == one * slots // 8
+  cap = run.rollout.rows + run.rollout.ahead * run.rollout.samples_per_prompt
+  if budget is None:
+    assert slots == cap
+  else:
+    per = sizing.sampler_memory(run.model, builders.make_layout(run.model, "auto", 32, 96), 4, 128, mesh)
+    assert slots == min(cap, (budget - per["params"]) // (per["cache"] + per["transient"]) * 4) < cap
+  with pytest.raises(ValueError, match="one group of 4 slots x 128 tokens needs"):
+    builders.slots(run, mesh, 1 << 10)
 
 
 def test_colocated_roles_add_up_on_each_device():
@@ -202,14 +236,14 @@ def test_shared_host_compares_the_sum_over_devices():
     memory.check(est, share - 2, share - 2, shared_host=True)
 
 
-def test_device_budget_bytes():
+def test_device_budget():
   cpu = jax.devices()[0]
-  assert memory.device_budget_bytes(cpu) == psutil.virtual_memory().total // len(jax.devices())
-  gpu = types.SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 80 * GIB, "bytes_in_use": 1})
-  assert memory.device_budget_bytes(gpu) == 80 * GIB
+  assert sizing.device_budget(cpu) == psutil.virtual_memory().total // len(jax.devices())
+  gpu = types.SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 80 * GIB, "bytes_in_use": GIB})
+  assert sizing.device_budget(gpu) == 80 * GIB and sizing.device_budget(gpu, free=True) == 79 * GIB
   odd = types.SimpleNamespace(platform="tpu", memory_stats=lambda: None)
   with pytest.raises(ValueError, match="bytes_limit"):
-    memory.device_budget_bytes(odd)
+    sizing.device_budget(odd)
 
 
 def test_bad_device_counts():

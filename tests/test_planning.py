@@ -86,39 +86,36 @@ def test_push_programs_move_each_byte_once(local_plan):
   assert push["seconds"] == pytest.approx(push["transport_s"] + push["cross_s"] + push["gather_s"])
 
 
-def test_paged_decode_row_counts_weights_and_cache(local_plan):
-  """The paged decode step: per-chip weights + page pool from the shardings; its bytes are XLA's count of the
-  unrolled step (the reference attention on CPU: no kernel to add)."""
+def test_decode_row_counts_weights_and_cache(local_plan):
+  """The engine's decode chunk (dense layout on CPU): per-chip weights + cache from the shardings; its bytes per
+  token step are XLA's count of the chunk (layers unrolled; no kernel on CPU)."""
   c, t = local_plan
   cfg = M.preset("w1", **c.model.overrides.to_dict())
-  row = {p["name"]: p for p in t["programs"]}["sampler_decode_paged"]
-  paged = t["estimates"]["paged_decode"]
+  row = {p["name"]: p for p in t["programs"]}["sampler_decode"]
+  d = t["estimates"]["decode"]
   mesh = build_topology(c.topology).sampler_mesh  # data 2 x tensor 2
   shapes = jax.eval_shape(lambda: M.init_params(cfg, jax.random.key(0)))
   shard = M.param_shardings(cfg, mesh)
   weights = sum(_shard_bytes(s.shape, s.dtype, sh) for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shard)))
-  # 8 slots x 32 tokens (two pages of 16) x 2 KV heads x 16 dims, f32, K and V: slots over data, heads over tensor.
+  # 8 slots x (16 prompt + 16 new) tokens x 2 KV heads x 16 dims, f32, K and V: slots over data, heads over tensor.
   kv = 2 * cfg.n_layers * (8 // 2) * 32 * (2 // 2) * 16 * 4
-  assert (paged["weights_bytes"], paged["kv_bytes"], paged["page_size"]) == (weights, kv, 16)
-  assert paged["attention"] == "reference" and paged["kernel_bytes"] == 0
-  assert paged["step_bytes"] == paged["xla_step_bytes"] > 0
-  assert paged["ratio"] == pytest.approx(paged["step_bytes"] / (weights + kv))
-  # The cache is donated and comes back in place; the step reads at least the weights and the pool.
+  assert (d["weights_bytes"], d["kv_bytes"], d["layout"], d["slots"]) == (weights, kv, "dense", 8)
+  assert d["kernel_bytes"] == 0 and d["step_bytes"] == d["xla_step_bytes"] > 0
+  assert d["ratio"] == pytest.approx(d["step_bytes"] / (weights + kv))
+  # The slot state is donated and comes back in place; the chunk reads at least the weights and the cache.
   assert row["alias_bytes"] >= kv and row["argument_bytes"] >= weights + kv
-  assert row["est_bytes"] == paged["step_bytes"]
-  assert t["estimates"]["paged_decode_token_step_s"] == pytest.approx(row["roofline_s"])
+  assert row["est_bytes"] == d["step_bytes"]
+  assert t["estimates"]["decode_token_step_s"] == pytest.approx(row["roofline_s"])
 
 
 def test_plan_programs_selects_what_compiles():
   c = tiny_config()
-  c.plan.programs = "sampler_decode_paged, push_cross"
+  c.plan.programs = "sampler_decode, push_cross"
   t = planning.make_plan(c)
-  assert [p["name"] for p in t["programs"]] == ["sampler_decode_paged", "push_cross"]
-  assert "train_step_s" not in t["estimates"] and "paged_decode" in t["estimates"]
+  assert [p["name"] for p in t["programs"]] == ["sampler_decode", "push_cross"]
+  assert "train_step_s" not in t["estimates"] and "decode" in t["estimates"]
   from launch._plan_table import format_table
-  assert "paged decode step >=" in format_table(t) and "train step" not in format_table(t)
-  c.plan.programs = "sampler_decode"  # the decode chunk is lowered on the prefill's output: both compile
-  assert [p["name"] for p in planning.make_plan(c)["programs"]] == ["sampler_prefill", "sampler_decode"]
+  assert "decode step >=" in format_table(t) and "train step" not in format_table(t)
   c.plan.programs = "sampler_decoder"
   with pytest.raises(ValueError, match="unknown program.*sampler_decoder"):
     planning.make_plan(c)
@@ -184,21 +181,21 @@ def test_tpu_topology_plan_or_clear_error():
   # TPU layouts pad small arrays to (8, 128) tiles, so compiled bytes are at least the logical ones.
   assert progs["push_cross"]["argument_bytes"] >= t["estimates"]["push"]["per_chip_transport_bytes"]
   assert progs["trainer_step"]["argument_bytes"] > 3 * t["config"]["params"] * 4 // 4
-  # head_dim 16: the Mosaic kernel does not compile for it, so the paged step uses the jnp attention.
-  assert t["estimates"]["paged_decode"]["attention"] == "reference"
+  # head_dim 16: the Mosaic kernel does not compile for it, so the engine keeps the dense layout on TPU too.
+  assert t["estimates"]["decode"]["layout"] == "dense"
 
 
 def test_tpu_paged_decode_compiles_the_pallas_kernel():
-  """With libtpu and head_dim 128: the paged step lowers jax's Pallas kernel (a Mosaic custom call) for v5p,
-  and the kernel's page reads are added to XLA's count."""
+  """With libtpu and head_dim 128: the engine's decode chunk is the paged layout's, lowering jax's Pallas kernel
+  (a Mosaic custom call) for v5p; the kernel's page reads are added to XLA's count."""
   if importlib.util.find_spec("libtpu") is None:
     pytest.skip("needs the tpu extra (libtpu) to compile for TPU")
   c = tiny_config("v5p:2x2x1")
   c.model.overrides["head_dim"] = 128
-  c.plan.programs = "sampler_decode_paged"
+  c.plan.programs = "sampler_decode"
   t = planning.make_plan(c)
-  paged = t["estimates"]["paged_decode"]
-  assert paged["attention"] == "kernel"
+  paged = t["estimates"]["decode"]
+  assert paged["layout"] == "paged" and paged["attention"] == "kernel"
   # Per chip: 4 slots x 2 pages of 16 tokens, 1 KV head (2 query heads), 2 layers; f32 pool, K and V; f32 q, out.
   assert paged["kernel_pages_read"] == 2 * 4 * 2
   assert paged["kernel_bytes"] == 2 * (2 * 1 * (4 * 2) * 16 * 128 * 4 + 2 * 4 * 2 * 128 * 4)

@@ -40,8 +40,7 @@ def _load(tmp_path, param_dtype, dtype):
       controller=dict(steps=2)))
 
 
-def _check_sampler_weights(sampler, trainer_params, dtype, devices):
-  held, _ = sampler._weights
+def _check_sampler_weights(held, trainer_params, dtype, devices):
   for (path, w), t in zip(jax.tree.flatten_with_path(held)[0], jax.tree.leaves(trainer_params)):
     name = jax.tree_util.keystr(path)
     assert w.dtype == jnp.dtype(dtype), name
@@ -73,12 +72,12 @@ def test_precision_pair_runs_end_to_end(tmp_path, param_dtype, dtype):
   ref = jax.tree.map(jnp.copy, params)
   state = trainer.init_state(params)
   weights.push(state.params, 0)
-  sampler.update_weights(*weights.latest())
-  _check_sampler_weights(sampler, state.params, dtype, sampler_devs)
+  _check_sampler_weights(weights.latest()[0], state.params, dtype, sampler_devs)
 
   rng = np.random.default_rng(0)
   prompts = [list(rng.integers(3, MODEL["vocab_size"], 3)) for _ in range(PROMPTS)]
-  out = packing.to_host(sampler.generate(prompts, samples_per_prompt=G, strategy=Temperature(1.0), seed=0))
+  out = packing.to_host(sampler.generate(prompts, samples_per_prompt=G, strategy=Temperature(1.0), seed=0,
+                                         weights=weights))
   assert _finite(out.logprobs) and np.all(np.asarray(out.logprobs) <= 0)
   assert np.all((np.asarray(out.tokens) >= 0) & (np.asarray(out.tokens) < MODEL["vocab_size"]))
   batch = trainer.place(packing.pack(out, rng.integers(0, 2, PROMPTS * G).astype(np.float32), P))
@@ -106,8 +105,8 @@ def test_precision_pair_runs_end_to_end(tmp_path, param_dtype, dtype):
 
   # The updated weights reach the sampler in the compute dtype, through the service and directly.
   weights.push(state.params, 1)
-  sampler.update_weights(*weights.latest())
-  assert sampler.version == 1
-  _check_sampler_weights(sampler, state.params, dtype, sampler_devs)
+  assert weights.version == 1
+  _check_sampler_weights(weights.latest()[0], state.params, dtype, sampler_devs)
   sampler.update_weights(state.params, 2)  # trainer-mesh leaves in param_dtype: cast on the sampler mesh
-  _check_sampler_weights(sampler, state.params, dtype, sampler_devs)
+  assert sampler.version == 2
+  _check_sampler_weights(sampler.weights.latest()[0], state.params, dtype, sampler_devs)

@@ -14,7 +14,7 @@ import numpy as np
 
 from rlax.data.prompts import PromptRenderer
 from rlax.data.records import Record
-from rlax.sampler import ContinuousSampler, SampleOutput, strategies
+from rlax.sampler import SampleOutput, strategies
 from rlax.trainer.batch import RolloutBatch, response_loss_mask
 
 
@@ -46,7 +46,8 @@ def pack(out: SampleOutput, rewards: np.ndarray, prompt_len: int) -> RolloutBatc
   tokens = [prompt left-padded to `prompt_len` | right-padded response], so every
   batch has the same static shape (no trainer recompiles, fixed checkpoint
   shapes); the behaviour log-prob of response token j sits at index P-1+j,
-  where token_logprobs scores it.
+  where token_logprobs scores it. Tokens the policy did not sample (appended by `Stream.extend`) get loss
+  mask 0.
   """
   prompt, pmask = np.asarray(out.prompt_tokens), np.asarray(out.prompt_mask)
   if prompt.shape[1] > prompt_len:
@@ -65,7 +66,9 @@ def pack(out: SampleOutput, rewards: np.ndarray, prompt_len: int) -> RolloutBatc
   versions = np.asarray(out.versions)
   row_version = np.where(rmask, versions, np.iinfo(np.int32).max).min(axis=1)
   row_version = np.where(lens > 0, row_version, out.version).astype(np.int32)
-  return RolloutBatch(tokens=tokens, input_mask=input_mask, loss_mask=response_loss_mask(input_mask, P),
+  loss_mask = response_loss_mask(input_mask, P)
+  loss_mask[:, P - 1:] *= np.asarray(out.sampled) & rmask
+  return RolloutBatch(tokens=tokens, input_mask=input_mask, loss_mask=loss_mask,
                       behaviour_logprobs=blp, rewards=np.asarray(rewards, np.float32), versions=row_version,
                       group_ids=np.asarray(out.prompt_ids, np.int32), prompt_len=P)
 
@@ -89,20 +92,20 @@ def empty_batch(batch: int, prompt_len: int, new_tokens: int) -> RolloutBatch:
                       group_ids=z(batch, d=np.int32), prompt_len=prompt_len)
 
 
-def text_generate_fn(sampler, render: PromptRenderer, method: strategies.SamplingMethod, seed: int, step: int):
-  """A `generate_fn(records, n) -> list[list[str]]` over the sampler (for eval and curation)."""
+def text_generate_fn(sampler, render: PromptRenderer, method: strategies.SamplingMethod, seed: int, step: int,
+                     weights=None):
+  """A `generate_fn(records, n) -> list[list[str]]` over the sampler (for eval and curation); weights: the
+  source the sampler reads (default its own)."""
   calls = [0]
 
   def generate(records: Sequence[Record], n: int) -> list[list[str]]:
-    # The continuous engine queues any number of prompts; the static one decodes a batch of at most batch_size.
-    per_call = max(1, len(records)) if isinstance(sampler, ContinuousSampler) else max(1, sampler.batch_size // n)
-    texts: list[str] = []
-    for lo in range(0, len(records), per_call):
-      ids = render.encode_all(records[lo:lo + per_call])
-      out = sampler.generate(ids, samples_per_prompt=n, strategy=method, seed=seed, step=step,
-                             prompt_ids=list(range(calls[0], calls[0] + len(ids))))
-      calls[0] += len(ids)
-      texts += completions(render.tokenizer, to_host(out))
+    if not records:
+      return []
+    ids = render.encode_all(records)  # one stream: the engine queues any number of prompts
+    out = sampler.generate(ids, samples_per_prompt=n, strategy=method, seed=seed, step=step,
+                           prompt_ids=list(range(calls[0], calls[0] + len(ids))), weights=weights)
+    calls[0] += len(ids)
+    texts = completions(render.tokenizer, to_host(out))
     return [texts[i * n:(i + 1) * n] for i in range(len(records))]
 
   return generate

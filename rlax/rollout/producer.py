@@ -57,22 +57,20 @@ class RolloutProducer:
     self.sink, self.ensure_alive, self.stale_policy = sink, ensure_alive, stale_policy
     self.error: Optional[BaseException] = None
     self._thread: Optional[threading.Thread] = None
-    self._unsubscribe = None
+    self._current = None
 
   # -- weights ---------------------------------------------------------------------------------------------
-  def _install(self, params, version: int) -> None:
-    if version != self.sampler.version:
-      self.sampler.update_weights(params, version)
-
   def _weights_for(self, s: int) -> float:
-    """Installs weights fit for batch s; returns the seconds spent waiting for them."""
+    """Takes weights fit for batch s (version >= s - k; exactly s - k in deterministic mode) as the ones the
+    sampler uses next; returns the seconds spent waiting for them."""
     params, v, idle = self.weights.wait_for(max(0, s - self.k), exact=self.deterministic)
-    self._install(params, v)
+    self._current = (params, v)
     return idle
 
-  def _inflight(self, chunk: int, t: int) -> None:
-    """Between decode chunks: swap in the newest published version (rollout.inflight_updates)."""
-    self._install(*self.weights.latest())
+  def _source(self):
+    """What the sampler reads at every decode chunk: the newest published version with
+    rollout.inflight_updates, else the batch's own."""
+    return self.weights.latest() if self.r.inflight_updates else self._current
 
   # -- one batch -------------------------------------------------------------------------------------------
   def _round(self, s: int, rnd: int):
@@ -86,7 +84,7 @@ class RolloutProducer:
     out = self.sampler.generate(self.render.encode_all(records), samples_per_prompt=G,
                                 strategy=self.method, seed=self.seed, step=s,
                                 prompt_ids=[(s * MAX_ROUNDS + rnd) * P + i for i in range(len(records))],
-                                on_chunk=self._inflight if self.r.inflight_updates else None)
+                                weights=self._source)
     out = packing.to_host(out)  # the one device → host crossing of this round
     t1 = time.perf_counter()
     graded = self.grade(self.reward_fn, packing.completions(self.render.tokenizer, out),
@@ -119,11 +117,11 @@ class RolloutProducer:
     return batch, rows, {"gen_s": t_gen, "reward_s": t_rew, "dyn_dropped_groups": float(buf.dropped),
                          "dyn_rounds": float(rnd + 1), "dyn_tied_in_batch": float(tied)}
 
-  # -- streaming groups (the continuous engine) ---------------------------------------------------------------
+  # -- streaming groups ---------------------------------------------------------------------------
   def streams(self) -> bool:
-    """Groups stream into batches when the engine is continuous and the run is not deterministic (a
-    deterministic batch is generated whole, by exactly version s - k)."""
-    return hasattr(self.sampler, "stream") and not self.deterministic
+    """Groups stream into batches unless the run is deterministic (a deterministic batch is generated whole,
+    by exactly version s - k)."""
+    return not self.deterministic
 
   def _draw(self, stream, s: int, n: int) -> int:
     """Submits up to n more prompts, each remembering the data position before it; returns how many."""
@@ -190,7 +188,7 @@ class RolloutProducer:
         break
       # In flight: what this batch still needs, plus the next batch's share when the weights can serve it
       # (otherwise a prompt past this batch's need could only finish too stale).
-      ahead = self.r.ahead if (self.sampler.version or 0) >= s + 1 - self.k else 0
+      ahead = self.r.ahead if self._current[1] >= s + 1 - self.k else 0
       want = P - have + ahead - stream.pending
       if buf is not None:
         want = min(want, MAX_ROUNDS * P - drawn)
@@ -231,7 +229,7 @@ class RolloutProducer:
     for s in range(first, end):
       idle = self._weights_for(s)
       if stream is None and self.streams():  # opened once weights are installed
-        stream = self.sampler.stream(self.method, on_chunk=self._inflight if self.r.inflight_updates else None)
+        stream = self.sampler.stream(self.method, weights=self._source)
         self._drawn, self._seq, self._carry = {}, 0, []
       t0 = time.perf_counter()
       batch, (lens, truncated, sources), stats = self._stream_batch(stream, s) if stream else self.batch(s)

@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Any, Optional
 
+from rlax.weights.service import Closed
+
 
 @dataclasses.dataclass
 class Rollout:
@@ -23,10 +25,6 @@ class Rollout:
   data: Any                    # the packed RolloutBatch (numpy, on the host)
   stats: dict = dataclasses.field(default_factory=dict)
   data_state: dict = dataclasses.field(default_factory=dict)  # data iterator position after this batch
-
-
-class Closed(Exception):
-  """The queue was closed while a caller waited (shutdown, preemption)."""
 
 
 class RolloutQueue:

@@ -15,26 +15,26 @@ from typing import Sequence
 
 import numpy as np
 
-from rlax.sampler import engine, loop
+from rlax.sampler import rows
 
 
 def truncated_from_finish_reason(finish_reason) -> np.ndarray:
-  """[B] bool: rows that stopped at the length limit (`loop.LENGTH`), from `SampleOutput.finish_reason`.
+  """[B] bool: rows that stopped at the length limit (`rows.LENGTH`), from `SampleOutput.finish_reason`.
 
-  Also takes the names in `engine.FINISH_REASONS` ('length', 'eos', 'stop').
+  Also takes the names in `rows.FINISH_REASONS` ('length', 'eos', 'stop', 'budget').
   """
   fr = np.asarray(finish_reason)
   if fr.ndim != 1:
     raise ValueError(f"finish_reason must be 1-D (one per row), got shape {fr.shape}")
   if fr.dtype.kind in "US":
-    known, length = set(engine.FINISH_REASONS.values()), engine.FINISH_REASONS[loop.LENGTH]
+    known, length = set(rows.FINISH_REASONS.values()), rows.FINISH_REASONS[rows.LENGTH]
   elif fr.dtype.kind in "iu":
-    known, length = set(engine.FINISH_REASONS), loop.LENGTH
+    known, length = set(rows.FINISH_REASONS), rows.LENGTH
   else:
     raise ValueError(f"finish_reason must be integer codes or names, got dtype {fr.dtype}")
   bad = sorted(set(fr.tolist()) - known)
   if bad:
-    raise ValueError(f"finish_reason has unknown values {bad[:5]}; known: {engine.FINISH_REASONS}")
+    raise ValueError(f"finish_reason has unknown values {bad[:5]}; known: {rows.FINISH_REASONS}")
   return fr == length
 
 

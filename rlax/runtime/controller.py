@@ -169,7 +169,6 @@ class Controller:
   def _push(self, params, version: int) -> dict:
     if self.sampler is not None:
       self.faults.ensure_alive(self.topo.sampler_mesh)
-    self.faults.remember(params, version)
     return self.weights.push(params, version)
 
   def evaluate(self, tag: str) -> dict:
@@ -177,10 +176,9 @@ class Controller:
     if self.sampler is None:
       return self.channel.get_json(f"eval/{tag}")
     run = self.run_cfg
-    params, v = self.weights.latest()
-    if v != self.sampler.version:
-      self.sampler.update_weights(params, v)
-    gen = packing.text_generate_fn(self.sampler, self.render, builders.eval_method(run), seed=run.seed + 1, step=0)
+    newest = self.weights.latest()
+    gen = packing.text_generate_fn(self.sampler, self.render, builders.eval_method(run), seed=run.seed + 1, step=0,
+                                   weights=newest)
     n = run.eval.n_samples
     res = evaluation.evaluate(gen, self.eval_records, self.reward_fn, n=n, ks=sorted({1, n}), grade_fn=self.pool.grade)
     logging.info("eval (%s): %s", tag, res)
@@ -393,7 +391,7 @@ class Controller:
   def _sample(self) -> None:
     """The sampler process of a multi-process job: produce every batch the trainer process asks for."""
     start = self.channel.get_json("start")
-    if start["data"] is not None:
+    if start["data"]:  # the trainer process saves {} at step 0: it holds no data iterator; start from the top
       self.data.set_state(start["data"])
     server = threading.Thread(target=self.weights.serve, daemon=True, name="weights-receiver")
     server.start()

@@ -8,7 +8,7 @@ function from (parts, lost/returned slices, where the loop stood) to (new parts,
 - sampler slice lost / slice returned: roles are reassigned (topology.reassign), a new sampler and
   weights service are built on the new sampler mesh (rlax.builders), the rollouts already generated
   stay queued, and the interrupted batch is regenerated: its keys derive from (seed, step, prompt id)
-  and, in deterministic mode, its weight version comes from `remember`'s trainer-side copies, so no
+  and, in deterministic mode, its weight version comes from the weights service's trainer-side history, so no
   trainer step is lost.
 - trainer slice lost: the trainer takes a sampler slice (its mesh keeps its shape when it can), is
   rebuilt on the new mesh and restores the newest checkpoint onto it; the step, data position and
@@ -78,7 +78,6 @@ class Faults:
         self.injector.restore(e["slice"])
     self._kills_done = sum(1 for e in past if e.get("event") == "killed")
     self._recovery: Optional[dict] = None  # the recovery in progress: where a deliberate signal lands
-    self._versions: dict[int, Any] = {}  # deterministic mode: trainer-side copies of recent pushed weights
 
   def _read(self) -> list[dict]:
     if not os.path.exists(self.path):
@@ -152,30 +151,6 @@ class Faults:
   def end_recovery(self) -> None:
     self._recovery = None
 
-  def remember(self, params: Any, version: int) -> None:
-    """Keeps a trainer-side copy of pushed `version` so a rebuilt sampler can regenerate its batch exactly."""
-    k = self.run.controller.max_staleness
-    if not self.run.deterministic or k == 0 or not self._schedule:
-      return
-    self._versions[version] = jax.tree.map(lambda x: x.copy(), params)  # the trainer donates its state
-    for v in [v for v in self._versions if v < version - k]:
-      del self._versions[v]
-
-  def forget_versions(self) -> None:
-    """The trainer restored a checkpoint: the remembered versions belong to a discarded future."""
-    self._versions.clear()
-
-  def versions_for(self, first: int, step: int, state: Any) -> list[tuple[Any, int]]:
-    """(params, version) to push into a fresh weights service so batch `first` gets its exact version."""
-    need = max(0, first - self.run.controller.max_staleness)
-    if not self.run.deterministic or need >= step:
-      return [(state.params, step)]
-    missing = [v for v in range(need, step) if v not in self._versions]
-    if missing:
-      raise RuntimeError(f"deterministic failover needs weight versions {missing} to regenerate batch {first}, "
-                         f"but only versions {sorted(self._versions)} are kept")
-    return [(self._versions[v], v) for v in range(need, step)] + [(state.params, step)]
-
 
 def send_signal(sig: int) -> None:
   """Signals this process (a SIGKILL ends it here; a SIGTERM reaches the preemption handler)."""
@@ -212,7 +187,7 @@ def recover(run: RunConfig, parts: builders.Components, faults: Faults, err: Bas
   if new.trainer is not parts.trainer:
     faults.phase("restore")
     resume = restore(new.trainer.abstract_state())  # the new mesh's own layout
-    faults.forget_versions()
+    new.weights.forget_history()
     if resume is None:
       raise RuntimeError(f"trainer slices {sorted(lost & set(old.assignment.trainer))} lost at step {step} "
                          "before the first checkpoint; restart the run")
@@ -224,7 +199,8 @@ def recover(run: RunConfig, parts: builders.Components, faults: Faults, err: Bas
   elif kept:
     data_state = kept[-1].data_state
   faults.phase("push")
-  for params, v in faults.versions_for(step + len(kept), step, state):
+  for params, v in new.weights.replay(step + len(kept), step, state.params, run.controller.max_staleness,
+                                      exact=run.deterministic):
     new.weights.push(params, v)
   faults.phase("commit")
   faults.end_recovery()

@@ -1,7 +1,7 @@
-"""Generation engines: static batches (bucketed prefill + chunked KV-cache decode with in-flight weight swaps) and
-continuous batching over decode slots."""
+"""The sampling engine: continuous batching over decode slots, two cache layouts of one decode step, streams
+whose held rows can be extended, sampling strategies."""
 
-from rlax.sampler.continuous import ContinuousSampler, FinishedGroup, Stream
-from rlax.sampler.engine import FINISH_REASONS, SampleOutput, Sampler, concat_outputs
-from rlax.sampler.loop import EOS, LENGTH, STOP, row_keys
+from rlax.sampler.engine import ATTENTION, Sampler
+from rlax.sampler.rows import BUDGET, EOS, FINISH_REASONS, LENGTH, STOP, SampleOutput, concat_outputs, row_keys
 from rlax.sampler.strategies import Greedy, SamplingMethod, Temperature, TopK, TopP
+from rlax.sampler.stream import FinishedGroup, Stream

@@ -1,18 +1,25 @@
-"""The sampler engine: bucketed shapes, one prefill per distinct prompt, chunked decode with weight swaps.
+"""The sampling engine: continuous batching over a fixed number of decode slots.
 
-    sampler = Sampler(cfg, mesh, max_prompt_len=512, max_new_tokens=1024, batch_size=256,
-                      eos_id=2, decode_chunk=64)
+    sampler = Sampler(cfg, mesh, max_prompt_len=512, max_new_tokens=1024, slots=64, eos_id=2)
     sampler.update_weights(params, version=0)
-    out = sampler.generate(prompts, samples_per_prompt=8, strategy=Temperature(1.0), seed=0, step=3)
+    out = sampler.generate(prompts, samples_per_prompt=8, seed=0, step=3, max_new_tokens=limits)
 
-Prompts are left-padded into static length buckets and the row count into batch
-buckets, so a new prompt length or batch size inside a bucket reuses the
-compiled programs (`trace_counts` counts traces). Params are jit arguments, so
-`update_weights` never recompiles; a swap between decode chunks is recorded per
-token in `SampleOutput.versions` and the KV cache is recomputed under the new
-weights (see `loop.refill`). Weights are held in the model's compute dtype
-(`cfg.dtype`): the parameter server casts on the trainer side so fewer bytes cross.
-The planner lowers the same programs through `abstract_params`, `lower_prefill`
+Every slot holds one request (prompt, sample index) with its own position and limit. Between decode chunks,
+finished rows are copied out and whole groups of queued requests take the free slots: the G samples of a
+prompt share one prefill, whose keys and values are written into their G slots. A uniform batch (every row
+admitted at once, one limit) is the case where no slot is ever refilled. When nothing is queued, the running
+rows move to fewer slots (the dense layout's shrink; `Stream`). Shapes are static (slots, prompt length,
+new-token budget, admission buckets), so nothing recompiles in steady state (`trace_counts`).
+
+The cache layout (`rlax.sampler.layouts`) is "dense" (XLA:CPU-shaped, with ragged attention over the later
+generated segments) or "paged" (a page pool; on TPU jax's Pallas paged-attention kernel): `attention="auto"`
+takes "paged" on a TPU the kernel compiles for, else "dense". Both run the same decode step, prefill and token
+record, so both draw the same tokens. A weight swap between chunks is recorded per token in `versions`;
+`on_swap="recompute"` recomputes every slot's keys and values under the new weights (tokens drawn under version
+v come from exactly the policy v), `"keep"` continues over the old cache.
+
+The engine holds no weights: a `Stream` reads them at every step from a source (the run's `WeightsService`,
+or `update_weights`' own one). The planner lowers the same programs through `abstract_state`, `lower_admit`
 and `lower_decode`.
 """
 
@@ -20,324 +27,289 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
-import time
+import functools
 from typing import Callable, Optional, Sequence, Union
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jaxtyping import Array, Bool, Float, Int
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax import models
 from rlax.models import sharding as shd
-from rlax.models.init import abstract_params as model_params
-from rlax.sampler import loop
+from rlax.sampler import layouts, paged
+from rlax.sampler import params as params_lib
+from rlax.sampler import sizing
+from rlax.sampler import slots as slots_lib
+from rlax.sampler.rows import SampleOutput, concat_outputs
 from rlax.sampler.strategies import SamplingMethod, Temperature
+from rlax.weights.service import WeightsService
 
-FINISH_REASONS = {loop.LENGTH: "length", loop.EOS: "eos", loop.STOP: "stop"}
-
-
-@flax.struct.dataclass
-class SampleOutput:
-  """Rows are prompt-major: row r is sample r % G of prompt r // G. N = max_new_tokens, P = prompt bucket.
-
-  tokens [B, N] (pad_id after the end), logprobs [B, N] behaviour log-probs (0 after the end),
-  lengths [B] (EOS / stop tokens included), finish_reason [B] (loop.LENGTH / EOS / STOP),
-  prompt_tokens / prompt_mask [B, P] (left-padded), versions [B, N] weight version that drew each
-  token (-1 after the end), prompt_ids / sample_ids [B]; version: the newest version used.
-  """
-  tokens: Int[Array, "B N"]
-  logprobs: Float[Array, "B N"]
-  lengths: Int[Array, "B"]
-  finish_reason: Int[Array, "B"]
-  prompt_tokens: Int[Array, "B P"]
-  prompt_mask: Bool[Array, "B P"]
-  versions: Int[Array, "B N"]
-  prompt_ids: Int[Array, "B"]
-  sample_ids: Int[Array, "B"]
-  version: int = flax.struct.field(pytree_node=False, default=0)
+ATTENTION = ("auto", "dense", "paged", "paged_interpret")  # Sampler(attention=...)
 
 
-def concat_outputs(outs: Sequence[SampleOutput]) -> SampleOutput:
-  """Host (numpy) SampleOutputs → one, rows in order; `version` the newest."""
-  cat = jax.tree.map(lambda *xs: np.concatenate(xs), *[o.replace(version=0) for o in outs])
-  return cat.replace(version=max(o.version for o in outs))
-
-
-def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
-  out, b = [], lo
-  while b < hi:
-    out.append(b)
-    b *= 2
-  return tuple(out) + (hi,)
-
-
-def _bytes_per_device(shape, dtype, sharding: Optional[NamedSharding]) -> int:
-  shard = sharding.shard_shape(shape) if sharding is not None else shape
-  return int(np.prod(shard)) * jnp.dtype(dtype).itemsize
-
-
-def _detect_budget(devices) -> int:
-  stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
-  if stats and "bytes_limit" in stats:
-    return int(stats["bytes_limit"])
-  # CPU devices share host RAM.
-  host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  return host // max(1, len(jax.local_devices()))
+def make_layout(cfg: models.ModelConfig, attention: str, prompt_len: int, new_tokens: int,
+                page_size: Optional[int] = None, platform: Optional[str] = None):
+  """The cache layout `attention` names ("auto": paged on a TPU the kernel compiles for, else dense); platform:
+  the devices' (default: the default backend's); page_size default: `paged.default_page_size`."""
+  if attention not in ATTENTION:
+    raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+  tpu = (platform or jax.default_backend()) == "tpu"
+  if attention == "auto":
+    attention = "paged" if tpu and paged.kernel_supports(cfg) else "dense"
+  if attention == "dense":
+    return layouts.Dense(prompt_len, new_tokens)
+  kind = "interpret" if attention == "paged_interpret" else "kernel" if tpu and paged.kernel_supports(cfg) else "reference"
+  max_len = prompt_len + new_tokens
+  return layouts.Paged(max_len, page_size or paged.default_page_size(max_len), kind)
 
 
 class Sampler:
-  """Generation engine over one (sub)mesh; see the module docstring.
+  """Continuous-batching generation over one (sub)mesh; see the module docstring.
 
-  batch_size is the most rows (prompts × samples) one call may use and sizes
-  the KV cache; batch_buckets / prompt_buckets default to powers of two.
-  stop_sequences end a row when its last tokens equal one of them; eos_id
-  (int, ints or None) ends it on that token. decode_chunk=N decodes N tokens
-  per jitted call so that `update_weights` from another thread (or
-  `on_chunk`) takes effect at the next chunk; None decodes in one call.
+  slots: rows decoded at once (a multiple of every samples_per_prompt used, and of the mesh's row shards).
+  decode_chunk: decode steps between admissions (and weight swaps). on_swap: "recompute" or "keep". shrink:
+  once no request waits, decode the running rows on fewer slots (dense layout only: the paged pool is not laid
+  out by slot). eos_id (int, ints or None) and stop_sequences end a row. weights: the WeightsService streams
+  read by default (params=... publishes version `version` to a service of the engine's own).
   """
 
   def __init__(self, cfg: models.ModelConfig, mesh: Optional[Mesh] = None, *, max_prompt_len: int,
-               max_new_tokens: int, batch_size: Optional[int] = None,
-               batch_buckets: Optional[Sequence[int]] = None, prompt_buckets: Optional[Sequence[int]] = None,
-               stop_sequences: Sequence[Sequence[int]] = (), eos_id: Union[int, Sequence[int], None] = None,
-               pad_id: int = 0, decode_chunk: Optional[int] = None, memory_budget_bytes: Optional[int] = None,
-               params: Optional[models.Params] = None, version: int = 0):
+               max_new_tokens: int, slots: int, stop_sequences: Sequence[Sequence[int]] = (),
+               eos_id: Union[int, Sequence[int], None] = None, pad_id: int = 0, decode_chunk: int = 16,
+               on_swap: str = "recompute", shrink: bool = True, memory_budget_bytes: Optional[int] = None,
+               params: Optional[models.Params] = None, version: int = 0, attention: str = "auto",
+               page_size: Optional[int] = None, weights: Optional[WeightsService] = None):
     if max_prompt_len < 1 or max_new_tokens < 1:
       raise ValueError(f"max_prompt_len={max_prompt_len} and max_new_tokens={max_new_tokens} must be >= 1")
-    if batch_size is None and not batch_buckets:
-      raise ValueError("give batch_size or batch_buckets")
-    if decode_chunk is not None and decode_chunk < 1:
-      raise ValueError(f"decode_chunk must be >= 1 or None, got {decode_chunk}")
-    self.cfg, self.mesh = cfg, mesh
-    self.max_new_tokens, self.pad_id, self.decode_chunk = max_new_tokens, pad_id, decode_chunk
-    self.batch_buckets = tuple(sorted(batch_buckets)) if batch_buckets else _pow2_buckets(1, batch_size)
-    self.batch_size = self.batch_buckets[-1]
-    self.prompt_buckets = (tuple(sorted(prompt_buckets)) if prompt_buckets
-                           else _pow2_buckets(min(8, max_prompt_len), max_prompt_len))
-    if self.prompt_buckets[-1] < max_prompt_len:
-      raise ValueError(f"largest prompt bucket {self.prompt_buckets[-1]} < max_prompt_len {max_prompt_len}")
-    self.max_prompt_len = self.prompt_buckets[-1]
-    self.eos_ids = () if eos_id is None else tuple(np.atleast_1d(eos_id).tolist())
+    if page_size is not None and page_size < 1:
+      raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if on_swap not in ("recompute", "keep"):
+      raise ValueError(f"on_swap must be 'recompute' or 'keep', got {on_swap!r}")
+    if decode_chunk < 1:
+      raise ValueError(f"decode_chunk must be >= 1, got {decode_chunk}")
+    shards = shd.row_shards(mesh, slots) if mesh is not None else 1
+    if slots < 1 or slots % shards:
+      raise ValueError(f"slots={slots} must be a positive multiple of the mesh's {shards} row shards")
     self.stops = tuple(tuple(int(t) for t in s) for s in stop_sequences)
     if any(len(s) == 0 for s in self.stops):
       raise ValueError("stop sequences must be non-empty")
+    self.eos_ids = () if eos_id is None else tuple(np.atleast_1d(eos_id).tolist())
+    self.cfg, self.mesh, self.slots = cfg, mesh, slots
+    self.max_prompt_len, self.max_new_tokens, self.pad_id = max_prompt_len, max_new_tokens, pad_id
     self.devices = list(mesh.devices.flat) if mesh is not None else [jax.devices()[0]]
-    self._param_shardings = models.param_shardings(cfg, mesh) if mesh is not None else None
-    self.memory = self._check_memory(memory_budget_bytes)
-    cast = lambda p: jax.tree.map(lambda x: x.astype(cfg.jnp_dtype), p)
-    self._cast = jax.jit(cast, out_shardings=self._param_shardings) if mesh is not None else jax.jit(cast)
+    platform = self.devices[0].platform
+    self.layout = make_layout(cfg, attention, max_prompt_len, max_new_tokens, page_size, platform)
+    self.paged = isinstance(self.layout, layouts.Paged)
+    self.attention = "dense" if not self.paged else "paged_interpret" if self.layout.attention == "interpret" else "paged"
+    self.decode_chunk, self.on_swap, self.shrink = decode_chunk, on_swap, shrink and not self.paged
+    self.memory = sizing.sampler_memory(cfg, self.layout, slots, max_prompt_len + max_new_tokens, mesh)
+    self.memory["budget"] = sizing.budget_or_default(memory_budget_bytes, self.devices)
+    sizing.check({k: v for k, v in self.memory.items() if k != "budget"}, self.memory["budget"], slots,
+                 max_prompt_len + max_new_tokens)
+    self.placer = params_lib.Placer(cfg, mesh)
     self.trace_counts = collections.Counter()
-    self.last_timings: dict[str, float] = {}
-    self._weights = None
+    self.last_timings: dict = {}
     statics = dict(eos_ids=self.eos_ids, stops=self.stops, pad_id=pad_id)
-    self._prefill = jax.jit(self._traced("prefill", loop.prefill, cfg=cfg, n_new=max_new_tokens, **statics),
-                            static_argnames=("samples", "strategy"))
-    self._chunk = jax.jit(self._traced("decode", loop.decode_chunk, cfg=cfg, n_new=max_new_tokens, **statics),
-                          static_argnames=("strategy",), donate_argnums=(1,))
-    self._refill = jax.jit(self._traced("refill", loop.refill, cfg=cfg), donate_argnums=(1,))
+    lay = dict(layout=self.layout)
+    self._prefills: dict[int, Callable] = {}
+    self._admit = self._jit("admit", functools.partial(slots_lib.admit, **lay, **statics), static=("strategy",),
+                            donate=(0,))
+    self._decode = self._jit("decode", functools.partial(slots_lib.decode_chunk, cfg=cfg, **lay, **statics,
+                                                                concat=platform == "cpu"),
+                             static=("strategy",), donate=(1,))
+    self._recompute = self._jit("recompute", functools.partial(slots_lib.recompute, cfg=cfg, **lay), donate=(1,))
+    self._extend = self._jit("extend", functools.partial(slots_lib.extend, cfg=cfg, **lay), donate=(1,))
+    self._gather = self._jit("shrink", slots_lib.gather)
+    self._cancel = self._jit("cancel", slots_lib.cancel, donate=(0,))
+    self._grow = self._jit("grow", slots_lib.grow, donate=(0,))
+    self._empty_fns: dict[int, Callable] = {}
+    # Slot buckets for the tail: slots, slots/2, ... (a decode program each), down to one whole shard row.
+    self.slot_buckets = [b for b in (slots >> i for i in range(8)) if b and b % shards == 0][::-1]
+    self.weights = weights
     if params is not None:
       self.update_weights(params, version)
 
-  def _traced(self, name, fn, *, cfg, **statics):
-    """fn(first, cfg, *rest, **statics, **kw), counting traces (i.e. compiles) in trace_counts[name]."""
-    def call(first, *rest, **kw):
+  def _jit(self, name: str, fn, *, static=(), donate=(), out_shardings=None):
+    """jit(fn), counting traces (i.e. compiles) in trace_counts[name]."""
+    def traced(*args, **kw):
       self.trace_counts[name] += 1  # runs at trace time only
-      return fn(first, cfg, *rest, **statics, **kw)
-    return call
+      return fn(*args, **kw)
+    kw = {} if out_shardings is None else dict(out_shardings=out_shardings)
+    return jax.jit(traced, static_argnames=static, donate_argnums=donate, **kw)
 
-  # -- layouts and lowerings (shared by `generate` and the planner) ------------------------------------------------
-  def batch_sharding(self, ndim: int) -> Optional[NamedSharding]:
-    """Sharding of every [rows, ...] array the engine feeds its programs (None without a mesh)."""
-    return shd.batch_sharding(self.mesh, self.batch_size, ndim) if self.mesh is not None else None
+  def _prefill(self, groups: int):
+    """The prefill of `groups` prompts, its outputs on fixed shardings (prompts over the batch axes, KV heads
+    over 'tensor', as the rules table allows): the admission's inputs are then the same at lowering and at run."""
+    if groups not in self._prefills:
+      out = None if self.mesh is None else self._prefill_shardings(groups)
+      self._prefills[groups] = self._jit("prefill", functools.partial(slots_lib.prefill, cfg=self.cfg),
+                                         out_shardings=out)
+    return self._prefills[groups]
 
-  def abstract_params(self) -> models.Params:
-    """The weights as the sampler holds them: ShapeDtypeStructs in the compute dtype on its shardings."""
-    sds = lambda s, sh=None: jax.ShapeDtypeStruct(s.shape, self.cfg.jnp_dtype, sharding=sh)
-    if self.mesh is None:
-      return jax.tree.map(sds, model_params(self.cfg))
-    return jax.tree.map(sds, model_params(self.cfg), self._param_shardings)
+  def _prefill_shardings(self, groups: int) -> tuple:
+    cfg, shape = self.cfg, dict(self.mesh.shape)
+    kv = (cfg.n_layers, groups, self.max_prompt_len, cfg.n_kv_heads, cfg.head_dim)
+    ns = lambda axes, dims: NamedSharding(self.mesh, models.spec_for(axes, dims, shape))
+    kv_sh = ns((None, "batch", None, "act_kv_heads", None), kv)
+    return kv_sh, kv_sh, ns(("batch", "act_vocab"), (groups, cfg.vocab_size))
 
-  def _padded_prompts(self, n: int, samples: int) -> int:
-    """Prefill rows (distinct prompts, padded) for n prompts x `samples`: the batch bucket, whole shards."""
-    rows = n * samples
-    fits = [b for b in self.batch_buckets if b >= rows]
-    if not fits or -(-fits[0] // samples) * samples > self.batch_size:
-      raise ValueError(f"generate: {n} prompts x {samples} samples = {rows} rows exceed batch_size "
-                       f"{self.batch_size}")
-    n_pad, shards = -(-fits[0] // samples), shd.row_shards(self.mesh, self.batch_size)
-    return -(-n_pad // shards) * shards  # the per-prompt prefill rows are sharded like the batch
-
-  def _prompt_bucket(self, longest: int) -> int:
-    if longest > self.max_prompt_len:
-      raise ValueError(f"generate: prompt of {longest} tokens exceeds max_prompt_len {self.max_prompt_len}")
-    return next(b for b in self.prompt_buckets if b >= longest)
-
-  def _abstract(self, shape, dtype) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=self.batch_sharding(len(shape)))
-
-  def lower_prefill(self, n_prompts: int, prompt_len: int, samples: int, strategy: SamplingMethod
-                    ) -> jax.stages.Lowered:
-    """The prefill `generate` runs for `n_prompts` prompts of up to `prompt_len` tokens x `samples`, lowered."""
-    n, L = self._padded_prompts(n_prompts, samples), self._prompt_bucket(prompt_len)
-    B = n * samples
-    key_dtype = jax.eval_shape(lambda: jax.random.key(0)).dtype
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    with self._ctx():
-      return self._prefill.lower(self.abstract_params(), self._abstract((n, L), jnp.int32),
-                                 self._abstract((n, L), jnp.bool_), self._abstract((B,), key_dtype), scalar,
-                                 self._abstract((B,), jnp.bool_), samples=samples, strategy=strategy)
-
-  def lower_decode(self, state, strategy: SamplingMethod) -> jax.stages.Lowered:
-    """The decode chunk lowered on the state a prefill returns.
-
-    state: a compiled prefill (`lower_prefill(...).compile()`: its output shapes and shardings), or a
-    DecodeState of arrays or ShapeDtypeStructs.
-    """
-    if isinstance(state, jax.stages.Compiled):
-      state = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh), state.out_info,
-                           state.output_shardings)
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    with self._ctx():
-      return self._chunk.lower(self.abstract_params(), state, scalar, scalar, strategy=strategy)
-
-  def _ctx(self):
-    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
-
-  def _check_memory(self, budget: Optional[int]) -> dict[str, int]:
-    """Per-device bytes of params + KV cache + the largest transient cache, against the budget.
-
-    The transient is the prefill's model-layout cache, or with decode_chunk set
-    the refill's whole-sequence cache after a weight swap (as big as the cache).
-    """
-    cfg, B, S = self.cfg, self.batch_size, self.max_prompt_len + self.max_new_tokens
-    one_layer = (B, cfg.n_kv_heads, S, cfg.head_dim)  # one layer's keys (or values), as decode stores them
-    csh = None
-    if self.mesh is not None:
-      csh = NamedSharding(self.mesh, models.spec_for(("batch", "act_kv_heads", None, None), one_layer,
-                                                dict(self.mesh.shape)))
-    cache = _bytes_per_device(one_layer, cfg.jnp_dtype, csh) * 2 * cfg.n_layers
-    prefill = cache if self.decode_chunk else cache * self.max_prompt_len // S
-    # In the compute dtype: that is what `update_weights` stores.
-    params = sum(_bytes_per_device(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(self.abstract_params()))
-    budget = int(budget) if budget is not None else _detect_budget(self.devices)
-    need = cache + prefill + params
-    if need > budget:
-      raise ValueError(
-          f"sampler needs {need:,} bytes per device (KV cache {cache:,} for batch {B} x {S} slots, transient "
-          f"cache {prefill:,}, params {params:,}) but the memory budget is {budget:,} bytes per device")
-    return dict(cache=cache, transient=prefill, params=params, budget=budget)
-
+  # -- weights ---------------------------------------------------------------------------------------------------
   def update_weights(self, params: models.Params, version: int) -> None:
-    """Installs new weights (same tree and shapes) on the sampler's shardings, in the compute dtype. Thread-safe.
-
-    Leaves in `cfg.dtype` are kept as they are (the parameter server delivers those); leaves in
-    `cfg.param_dtype` are cast by a jitted cast on the sampler mesh.
-    """
-    want = models.param_shapes(self.cfg)
-    if jax.tree.structure(params) != jax.tree.structure(want, is_leaf=lambda s: isinstance(s, tuple)):
-      raise ValueError("update_weights: parameter tree does not match the sampler's model config")
-    ok = {self.cfg.jnp_dtype, self.cfg.jnp_param_dtype}
-    for (path, x), shape in zip(jax.tree.flatten_with_path(params)[0],
-                                jax.tree.leaves(want, is_leaf=lambda s: isinstance(s, tuple))):
-      if tuple(x.shape) != tuple(shape) or x.dtype not in ok:
-        raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} is {x.dtype}{list(x.shape)}, expected "
-                         f"{' or '.join(sorted({self.cfg.dtype, self.cfg.param_dtype}))}{list(shape)}")
-    if self.mesh is not None:
-      params = jax.device_put(params, self._param_shardings)
-    if any(x.dtype != self.cfg.jnp_dtype for x in jax.tree.leaves(params)):
-      with self._ctx():
-        params = self._cast(params)
-    self._weights = (params, int(version))  # one assignment: readers see old or new, never a mix
+    """Validates `params`, puts them on the sampler's shardings in the compute dtype, and publishes them as
+    `version` to the engine's WeightsService (made on first use). Thread-safe."""
+    if self.weights is None:
+      self.weights = WeightsService(None)
+    self.weights.publish(self.placer(params), int(version))
 
   @property
   def version(self) -> Optional[int]:
-    return None if self._weights is None else self._weights[1]
+    """The newest version of the engine's WeightsService (None before any)."""
+    return None if self.weights is None or self.weights.version < 0 else self.weights.version
 
-  def _pad_prompts(self, prompts, mask):
-    """Left-aligns prompts into [n, bucket] numpy arrays (tokens, mask)."""
-    if isinstance(prompts, (list, tuple)) and (not prompts or not hasattr(prompts[0], "shape") or
-                                               np.ndim(prompts[0]) == 1):
-      rows = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
-    else:
-      arr = np.asarray(prompts)
-      if arr.ndim != 2:
-        raise ValueError(f"prompts must be a list of token lists or a [P, L] array, got shape {arr.shape}")
-      m = np.ones(arr.shape, bool) if mask is None else np.asarray(mask, bool)
-      rows = [a[mm] for a, mm in zip(arr, m)]
-    if not rows:
-      raise ValueError("generate: no prompts given")
-    if min(len(r) for r in rows) < 1:
-      raise ValueError("generate: every prompt needs at least one token")
-    L = self._prompt_bucket(max(len(r) for r in rows))
-    toks = np.full((len(rows), L), self.pad_id, np.int32)
-    valid = np.zeros((len(rows), L), bool)
-    for i, r in enumerate(rows):
-      toks[i, L - len(r):] = r
-      valid[i, L - len(r):] = True
-    return toks, valid
+  def weights_source(self, weights=None) -> Callable[[], tuple]:
+    """A () -> (params, version) for a stream: `weights` as given (a WeightsService, such a callable, or one
+    (params, version) pair), else the engine's own service."""
+    if weights is None:
+      if self.version is None:
+        raise ValueError("generate: no weights; call update_weights(params, version) first")
+      return self.weights.latest
+    if isinstance(weights, tuple):
+      return lambda: weights
+    return weights.latest if hasattr(weights, "latest") else weights
+
+  # -- programs (the Stream's steps; each a compiled call) ----------------------------------------------------------
+  def ctx(self):
+    """The engine's mesh as the ambient mesh (every program runs under it)."""
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+  def empty(self, slots: Optional[int] = None) -> slots_lib.SlotState:
+    """A state with every slot free, built by one compiled call."""
+    S = slots or self.slots
+    if S not in self._empty_fns:
+      build = functools.partial(slots_lib.empty, self.cfg, self.layout, S, self.max_prompt_len, self.max_new_tokens,
+                                self.pad_id, self.mesh)
+      out = None if self.mesh is None else self.state_shardings(S)
+      self._empty_fns[S] = jax.jit(build, out_shardings=out)
+    with self.ctx():
+      return self._empty_fns[S]()
+
+  def state_shardings(self, slots: Optional[int] = None) -> slots_lib.SlotState:
+    """Slot rows over the mesh's row shards (scalars replicated); the cache as its layout shards it."""
+    S = slots or self.slots
+    shapes = jax.eval_shape(functools.partial(slots_lib.empty, self.cfg, self.layout, S, self.max_prompt_len,
+                                              self.max_new_tokens, self.pad_id))
+    sh = jax.tree.map(lambda x: shd.batch_sharding(self.mesh, S, x.ndim) if x.ndim else
+                      NamedSharding(self.mesh, PartitionSpec()), shapes.replace(cache=None))
+    return sh.replace(cache=self.layout.shardings(self.cfg, self.mesh, S))
+
+  def put(self, x) -> jax.Array:
+    """A host input of an admission or extension (prompts, slot ids, keys, ...) on the engine's devices, replicated
+    (what `lower_admit` lowers with)."""
+    if self.mesh is None:
+      return jnp.asarray(x)
+    return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec()))
+
+  def place(self, st: slots_lib.SlotState) -> slots_lib.SlotState:
+    return st if self.mesh is None else jax.device_put(st, self.state_shardings(st.t.shape[0]))
+
+  def prefill(self, params, prompt, n_prompt):
+    """Distinct prompts [Q, P] (right-padded) → keys, values [L, Q, P, K, Dh], next-token logits [Q, V]."""
+    return self._prefill(prompt.shape[0])(params, prompt, n_prompt)
+
+  def admit(self, st, prefilled, prompt, n_prompt, slot_ids, which, keys, limits, version, strategy):
+    k, v, logits = prefilled
+    return self._admit(st, k, v, logits, prompt, n_prompt, slot_ids, which, keys, limits, version, strategy=strategy)
+
+  def decode(self, params, st, version, strategy):
+    """One chunk: up to `decode_chunk` decode steps."""
+    return self._decode(params, st, np.int32(version), np.int32(self.decode_chunk), strategy=strategy)
+
+  def recompute(self, params, st):
+    return self._recompute(params, st)
+
+  def extend(self, params, st, slot_ids, append, n_append, limits, stop_ids, version):
+    return self._extend(params, st, slot_ids, append, n_append, limits, stop_ids, np.int32(version))
+
+  def cancel(self, st, mask):
+    return self._cancel(st, mask)
+
+  def gather(self, st, idx):
+    return self.place(self._gather(st, idx))
+
+  def grow(self, st):
+    """st's rows in the first slots of a full-size state."""
+    return self.place(self._grow(self.empty(), st))
+
+  # -- lowerings for the planner -----------------------------------------------------------------------------------
+  def abstract_params(self) -> models.Params:
+    """The weights as the sampler holds them: ShapeDtypeStructs in the compute dtype on its shardings."""
+    return params_lib.abstract(self.cfg, self.mesh)
+
+  def abstract_state(self, slots: Optional[int] = None) -> slots_lib.SlotState:
+    """ShapeDtypeStructs (with shardings on a mesh) of the slot state `empty` builds."""
+    S = slots or self.slots
+    shapes = jax.eval_shape(functools.partial(slots_lib.empty, self.cfg, self.layout, S, self.max_prompt_len,
+                                              self.max_new_tokens, self.pad_id))
+    if self.mesh is None:
+      return shapes
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                        self.state_shardings(S))
+
+  def lower_decode(self, strategy: SamplingMethod, slots: Optional[int] = None) -> jax.stages.Lowered:
+    """The decode chunk `Stream.step` runs, lowered on `abstract_state(slots)`."""
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    with self.ctx():
+      return self._decode.lower(self.abstract_params(), self.abstract_state(slots), scalar, scalar, strategy=strategy)
+
+  def lower_recompute(self) -> jax.stages.Lowered:
+    """The recompute after a weight swap (`on_swap="recompute"`), lowered on `abstract_state()`."""
+    with self.ctx():
+      return self._recompute.lower(self.abstract_params(), self.abstract_state())
+
+  def lower_admit(self, groups: int, samples: int, strategy: SamplingMethod) -> dict[str, jax.stages.Lowered]:
+    """The prefill of `groups` prompts and the admission of their `samples` rows each, lowered:
+    {"prefill": ..., "admit": ...}."""
+    rep = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=rep)
+    key = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), groups * samples))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
+    with self.ctx():
+      prefill = self._prefill(groups)
+      pre = prefill.lower(self.abstract_params(), i32(groups, self.max_prompt_len), i32(groups))
+      outs = pre.out_info
+      if self.mesh is not None:
+        outs = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh)
+                     for o, sh in zip(outs, self._prefill_shardings(groups)))
+      A = groups * samples
+      adm = self._admit.lower(self.abstract_state(), *outs, i32(groups, self.max_prompt_len), i32(groups),
+                              i32(A), i32(A), key, i32(A), jax.ShapeDtypeStruct((), jnp.int32), strategy=strategy)
+    return {"prefill": pre, "admit": adm}
+
+  # -- sessions ----------------------------------------------------------------------------------------------------
+  def stream(self, strategy: SamplingMethod = Temperature(1.0), *, weights=None,
+             on_chunk: Optional[Callable[[int, int], None]] = None):
+    """An open session: `submit` groups at any time, `step` decodes and returns the groups that finished.
+    weights: see `weights_source`."""
+    from rlax.sampler.stream import Stream  # pylint: disable=g-import-not-at-top
+    return Stream(self, strategy, self.weights_source(weights), on_chunk)
 
   def generate(self, prompts, *, samples_per_prompt: int = 1, strategy: SamplingMethod = Temperature(1.0),
                seed: int = 0, step: int = 0, prompt_ids: Optional[Sequence[int]] = None, prompt_mask=None,
+               max_new_tokens: Union[int, Sequence[int], None] = None, weights=None,
                on_chunk: Optional[Callable[[int, int], None]] = None) -> SampleOutput:
     """Samples `samples_per_prompt` continuations of each prompt; see SampleOutput for the fields.
 
-    prompts: list of token-id lists, or a [P, L] array (+ prompt_mask [P, L]). Row keys derive from
-    (seed, step, prompt_ids[p], sample index). on_chunk(chunk_index, tokens_so_far) runs before each
-    decode chunk (a hook for weight swaps in tests and controllers).
+    prompts: token-id lists, or a [P, L] array (+ prompt_mask). Row keys derive from (seed, step,
+    prompt_ids[p], sample index). max_new_tokens: None (the engine's budget), an int, or one limit per row
+    (prompt-major). on_chunk(chunk_index, tokens_of_finished_rows) runs before each decode chunk.
     """
-    if self._weights is None:
-      raise ValueError("generate: no weights; call update_weights(params, version) first")
-    G = int(samples_per_prompt)
-    if G < 1:
-      raise ValueError(f"samples_per_prompt must be >= 1, got {G}")
-    toks, valid = self._pad_prompts(prompts, prompt_mask)
-    n = len(toks)
-    ids = np.arange(n) if prompt_ids is None else np.asarray(prompt_ids, np.int64)
-    if ids.shape != (n,):
-      raise ValueError(f"prompt_ids has shape {ids.shape}, expected ({n},)")
-    rows = n * G
-    n_pad = self._padded_prompts(n, G)
-    toks = np.concatenate([toks, np.full((n_pad - n, toks.shape[1]), self.pad_id, np.int32)])
-    valid = np.concatenate([valid, np.zeros((n_pad - n, toks.shape[1]), bool)])
-    ids = np.concatenate([ids, np.zeros(n_pad - n, np.int64)]).astype(np.uint32)
-    B = n_pad * G
-    live = np.arange(B) < rows
-    sample_ids = np.tile(np.arange(G, dtype=np.uint32), n_pad)
-    put = (lambda x: jax.device_put(x, self.batch_sharding(np.ndim(x)))) if self.mesh is not None else jnp.asarray
-    keys = loop.row_keys(seed, step, put(np.repeat(ids, G)), put(sample_ids))
-    params, ver = self._weights
-    with self._ctx():
-      t0 = time.perf_counter()
-      st = self._prefill(params, put(toks), put(valid), keys, np.int32(ver), put(live), samples=G,
-                         strategy=strategy)
-      all_done = bool(jnp.all(st.done))
-      t1 = time.perf_counter()
-      t, chunk_i, n_refill, newest = 1, 0, 0, ver
-      N = self.max_new_tokens
-      while t < N and not all_done:
-        t_end = N if self.decode_chunk is None else min(N, (t // self.decode_chunk + 1) * self.decode_chunk)
-        if on_chunk is not None:
-          on_chunk(chunk_i, t)
-        params, v = self._weights
-        if v != newest:
-          st = self._refill(params, st)
-          newest, n_refill = v, n_refill + 1
-        st = self._chunk(params, st, np.int32(v), np.int32(t_end), strategy=strategy)
-        all_done = bool(jnp.all(st.done))
-        t, chunk_i = t_end, chunk_i + 1
-      jax.block_until_ready(st.tokens)
-    t2 = time.perf_counter()
-    self.last_timings = dict(prefill_s=t1 - t0, decode_s=t2 - t1, chunks=chunk_i, refills=n_refill,
-                             steps=int(st.t),
-                             rows=rows, batch_bucket=B, prompt_bucket=toks.shape[1])
-    sl = lambda x: x[:rows]
-    return SampleOutput(tokens=sl(st.tokens), logprobs=sl(st.logprobs), lengths=sl(st.lengths),
-                        finish_reason=sl(st.reason), prompt_tokens=sl(st.prompt),
-                        prompt_mask=sl(st.prompt_mask), versions=sl(st.versions),
-                        prompt_ids=jnp.asarray(np.repeat(ids[:n], G).astype(np.int32)),
-                        sample_ids=jnp.asarray(sample_ids[:rows].astype(np.int32)), version=newest)
+    stream = self.stream(strategy, weights=weights, on_chunk=on_chunk)
+    n = len(stream.submit(prompts, samples_per_prompt=samples_per_prompt, seed=seed, step=step,
+                          prompt_ids=prompt_ids, prompt_mask=prompt_mask, max_new_tokens=max_new_tokens))
+    done = {}
+    while stream.pending:
+      done.update((g.tag, g.out) for g in stream.step())
+    self.last_timings = stream.timings()
+    return jax.tree.map(jnp.asarray, concat_outputs([done[i] for i in range(n)]))
 

@@ -30,7 +30,7 @@ from rlax.trainer import critic as critic_lib
 from rlax.trainer import objective as rl
 from rlax.trainer.batch import RolloutBatch, SFTBatch
 from rlax.trainer.optimizer import OptimizerConfig, make_optimizer, make_schedule
-from rlax.trainer.state import (MAX_UNROLLED_MICRO_BATCHES, TrainState, accumulate_gradients, apply_gradients,
+from rlax.trainer.state import (TrainState, accumulate_gradients, apply_gradients,
                                 split_micro_batches, update_is_finite)
 
 
@@ -268,8 +268,7 @@ class Trainer:
     n = self.num_micro_batches(*tokens.shape)
     if n == 1:
       return fn(tokens, input_mask)
-    out = jax.lax.scan(lambda c, mb: (c, fn(*mb)), None, split_micro_batches((tokens, input_mask), n),
-                       unroll=n <= MAX_UNROLLED_MICRO_BATCHES)[1]
+    out = jax.lax.scan(lambda c, mb: (c, fn(*mb)), None, split_micro_batches((tokens, input_mask), n))[1]
     return jnp.moveaxis(out, 0, 1).reshape(tokens.shape[0], -1)
 
   def _value_targets(self, critic_params, batch: RolloutBatch, old_logprobs) -> dict:

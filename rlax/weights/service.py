@@ -1,9 +1,12 @@
-"""The one object that owns weight versions: atomic publish, one wait, a subscription for in-flight swaps.
+"""The one owner of weight versions: atomic publish, one wait, a subscription for in-flight swaps, and the
+trainer-side history a rebuilt sampler needs.
 
-The trainer calls `push(params, version)`; the transport moves the weights onto the sampler's shardings
-and, in a process that holds sampler devices, the service publishes them. Samplers read `latest()`,
-`wait_for(v)` (block until version >= v; in deterministic mode exactly v, which is why the service keeps
-the last `keep` versions), or `subscribe(fn)` to be called at every publish. In a multi-process job the
+The trainer calls `push(params, version)`; the transport moves the weights onto the sampler's shardings and,
+in a process that holds sampler devices, the service publishes them. Samplers read `latest()`, `wait_for(v)`
+(block until version >= v; in deterministic mode exactly v, which is why the service keeps the last `keep`
+versions), or `subscribe(fn)` to be called at every publish. With `history` > 0 the service also keeps
+trainer-side copies of the last `history` pushed versions: after a sampler slice is lost, the new service
+(`adopt_history`) can push exactly the versions its batches need again (`replay`). In a multi-process job the
 sampler process runs `serve()`, which receives every push from the trainer process and publishes it.
 """
 
@@ -14,18 +17,22 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from rlax.rollout.queue import Closed
-from rlax.weights.transports import Transport
+import jax
+
+
+class Closed(Exception):
+  """The service (or a queue) was closed while a caller waited (shutdown, preemption)."""
 
 
 class WeightsService:
-  """Versioned sampler-side weights over a `Transport`; thread-safe."""
+  """Versioned sampler-side weights over a `Transport` (None: publish-only, e.g. a standalone sampler)."""
 
-  def __init__(self, transport: Transport, keep: int = 1):
-    if keep < 1:
-      raise ValueError(f"WeightsService keep={keep} must be >= 1")
-    self.transport, self.keep = transport, keep
+  def __init__(self, transport: Any = None, keep: int = 1, history: int = 0):
+    if keep < 1 or history < 0:
+      raise ValueError(f"WeightsService keep={keep} must be >= 1 and history={history} >= 0")
+    self.transport, self.keep, self.history = transport, keep, history
     self._versions: collections.OrderedDict[int, Any] = collections.OrderedDict()
+    self._history: collections.OrderedDict[int, Any] = collections.OrderedDict()
     self._cv = threading.Condition()
     self._closed = False
     self._subscribers: list[Callable[[Any, int], None]] = []
@@ -36,15 +43,45 @@ class WeightsService:
     """Sends `version` through the transport; publishes it here when this process holds sampler devices."""
     if version <= self.pushed:
       raise ValueError(f"push version {version} is not newer than the last pushed version {self.pushed}")
+    if self.history:
+      self._history[version] = jax.tree.map(lambda x: x.copy(), trainer_params)  # the trainer donates its state
+      while len(self._history) > self.history:
+        self._history.popitem(last=False)
     got, stats = self.transport.send(trainer_params, version)  # stats: sync_s and what the transport measured
     self.pushed = version
     if got is not None:
-      self.publish(got, version)
+      self._publish(got, version)
     return stats
 
   def end(self) -> None:
     """Trainer side: no more pushes (a sampler process's `serve` returns)."""
     self.transport.close()
+
+  @property
+  def kept(self) -> dict[int, Any]:
+    """The trainer-side copies kept (version → params), oldest first."""
+    return dict(self._history)
+
+  def adopt_history(self, other: "WeightsService") -> None:
+    """Takes over another service's trainer-side copies (a rebuilt service replays them)."""
+    self._history = collections.OrderedDict(other.kept)
+
+  def forget_history(self) -> None:
+    """The trainer restored a checkpoint: the kept versions belong to a discarded future."""
+    self._history.clear()
+
+  def replay(self, first: int, step: int, params: Any, staleness: int, exact: bool) -> list[tuple[Any, int]]:
+    """(params, version) to push into a fresh service so that batch `first` gets its version: with `exact`
+    (deterministic mode) every kept version from first - staleness up to the trainer's `step` (its params),
+    else just the newest."""
+    need = max(0, first - staleness)
+    if not exact or need >= step:
+      return [(params, step)]
+    missing = [v for v in range(need, step) if v not in self._history]
+    if missing:
+      raise RuntimeError(f"deterministic failover needs weight versions {missing} to regenerate batch {first}, "
+                         f"but only versions {sorted(self._history)} are kept")
+    return [(self._history[v], v) for v in range(need, step)] + [(params, step)]
 
   # -- sampler side ----------------------------------------------------------------------------------------
   def publish(self, params: Any, version: int) -> None:
@@ -52,6 +89,10 @@ class WeightsService:
     with self._cv:
       if self._versions and version <= next(reversed(self._versions)):
         raise ValueError(f"publish version {version} is not newer than {next(reversed(self._versions))}")
+    self._publish(params, version)
+
+  def _publish(self, params: Any, version: int) -> None:
+    with self._cv:
       self._versions[version] = params
       while len(self._versions) > self.keep:
         self._versions.popitem(last=False)
@@ -109,7 +150,7 @@ class WeightsService:
         got = self.transport.receive()
         if got is None:
           break
-        self.publish(*got)
+        self._publish(*got)
     finally:
       self.close()
 
@@ -117,4 +158,3 @@ class WeightsService:
     with self._cv:
       self._closed = True
       self._cv.notify_all()
-

@@ -1,8 +1,7 @@
 """How pushed weights travel from the trainer's shardings to the sampler's.
 
-`DevicePutTransport`: one controller addresses both submeshes, so a push is a cast on the trainer mesh and
-a device-to-device `jax.device_put` onto the sampler shardings (rlax.param_server: buckets, never aliasing
-the trainer's donated buffers). `CrossProcessTransport`: the roles live in different processes joined by
+`DevicePutTransport`: one controller addresses both submeshes, so a push is `reshard`: a cast on the trainer
+mesh and a device-to-device move onto the sampler shardings, never aliasing the trainer's donated buffers. `CrossProcessTransport`: the roles live in different processes joined by
 `jax.distributed`, so a push is `CrossMeshPush`'s collective program, run by both processes in the same
 order; the version number travels over the coordination service's key-value store.
 """
@@ -13,7 +12,7 @@ import time
 from typing import Any, Optional, Protocol
 
 from rlax.multihost import Channel, CrossMeshPush
-from rlax.param_server import ParameterServer
+from rlax.weights.reshard import reshard
 
 
 class Transport(Protocol):
@@ -28,16 +27,15 @@ class Transport(Protocol):
 
 
 class DevicePutTransport:
-  """Single controller: device-to-device resharding through a `ParameterServer`."""
+  """Single controller: a stateless `reshard` onto the sampler's shardings and dtype at every send."""
 
-  def __init__(self, sampler_shardings: Any, dtype: Any, mode: str = "whole", bucket_bytes: int = 0):
-    self.server = ParameterServer(sampler_shardings, sampler_dtype=dtype, mode=mode,
-                                  bucket_bytes=bucket_bytes or None)
+  def __init__(self, sampler_shardings: Any, dtype: Any, transport: str = "auto"):
+    self.shardings, self.dtype, self.transport = sampler_shardings, dtype, transport
 
   def send(self, trainer_params: Any, version: int) -> tuple[Any, dict[str, float]]:
-    st = self.server.push(trainer_params, version)
-    params, _ = self.server.pull()
-    return params, {"sync_s": st.seconds, "sync_bytes": float(st.bytes), "sync_gb_per_s": st.gb_per_s}
+    del version  # the service owns versions
+    params, stats = reshard(trainer_params, self.shardings, self.dtype, transport=self.transport)
+    return params, stats.as_dict()
 
   def receive(self):
     raise RuntimeError("DevicePutTransport delivers on send; there is nothing to receive")

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlax import models as M
-from rlax.sampler import loop
+from rlax.sampler import rows as rows_lib
 
 CFG = M.ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 PROMPTS = [[1, 5, 9], [1, 7, 3, 22, 40, 41, 13], [1, 60], [1, 2, 3, 4, 5]]
@@ -36,7 +36,7 @@ def reference(params_at, prompts, n_new, strategy, *, seed=0, step=0, prompt_ids
   """
   ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
   rows = [(list(p), i, g) for p, i in zip(prompts, ids) for g in range(G)]
-  keys = loop.row_keys(seed, step, jnp.asarray([r[1] for r in rows], jnp.uint32),
+  keys = rows_lib.row_keys(seed, step, jnp.asarray([r[1] for r in rows], jnp.uint32),
                        jnp.asarray([r[2] for r in rows], jnp.uint32))
   T = max(len(r[0]) for r in rows) + n_new
   seqs = [r[0][:] for r in rows]

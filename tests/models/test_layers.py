@@ -10,7 +10,9 @@ import pytest
 
 from rlax import models as M
 from rlax.models import layers
-from rlax.sampler import decode
+from rlax.sampler import layouts
+from rlax.sampler import params as params_lib
+from rlax.sampler import step
 import hf_testutil as U
 
 CFGS = {
@@ -38,22 +40,36 @@ def test_fused_weights_equal_unfused(name, q_start):
   assert float(jnp.abs(plain - x[:, q_start:]).max()) > 1e-2  # the block really changed x
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _decode(params, cfg, cache, tok, pos, gslot):
-  return decode.decode_step(decode.fuse_params(params, cfg), cfg, cache, tok, pos, gslot, 0)
+@functools.partial(jax.jit, static_argnames=("cfg", "lay"))
+def _prefill(params, prompt, n, *, cfg, lay):
+  logits, k, v = step.forward(params, cfg, prompt, jnp.zeros_like(n), n)
+  cache = lay.write(lay.init(cfg, prompt.shape[0]), jnp.arange(prompt.shape[0]), k, v, jnp.zeros_like(n), n, n)
+  return logits, cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "lay"))
+def _decode(params, cache, tok, pos, n, *, cfg, lay):
+  fused = params_lib.fuse(params, cfg, stacked=False)
+  return step.decode_step(fused, cfg, lay, cache, tok, pos, n, jnp.ones(tok.shape, bool), 1)
 
 
 @pytest.mark.parametrize("name", sorted(CFGS))
 def test_decode_step_equals_full_forward(name):
-  """2 prompts x 2 samples: the shared prompt cache from the cached forward, then one decode step per token."""
+  """4 rows with prompts of 3, 5, 4 and 5 tokens (right-padded): the prefill's logits and keys/values written into
+  the dense layout, then one decode step per token, each row at its own position."""
   cfg = CFGS[name]
   params = U.scaled_params(cfg, seed=3)
-  P, n_new, G = 5, 8, 2
-  seqs = U.random_tokens(batch=4, length=P + n_new - 1, seed=4)
-  seqs[1, :P], seqs[3, :P] = seqs[0, :P], seqs[2, :P]  # rows 2p, 2p+1 continue prompt p
-  full, _ = jax.jit(lambda p, t: M.forward(p, cfg, t))(params, seqs)
-  _, mc = jax.jit(lambda p, t: M.hidden_states(p, cfg, t, cache=M.init_cache(cfg, 2, P)))(params, seqs[::G, :P])
-  cache = decode.from_model_cache(mc, P, G, n_new)
-  for t in range(P, P + n_new - 1):
-    logits, cache = _decode(params, cfg, cache, jnp.asarray(seqs[:, t]), jnp.full((4,), t), jnp.int32(t - P))
-    np.testing.assert_allclose(logits, full[:, t], atol=TOL)
+  P, n_new = 5, 8
+  n = np.array([3, 5, 4, 5], np.int32)
+  seqs = U.random_tokens(batch=4, length=P + n_new, seed=4)
+  lay = layouts.Dense(P, n_new)
+  prompt = np.where(np.arange(P)[None] < n[:, None], seqs[:, :P], 0)
+  logits, cache = _prefill(params, jnp.asarray(prompt), jnp.asarray(n), cfg=cfg, lay=lay)
+  full = [np.asarray(jax.jit(lambda p, t: M.forward(p, cfg, t)[0])(params, seqs[r:r + 1, :n[r] + n_new - 1]))[0]
+          for r in range(4)]
+  np.testing.assert_allclose(logits, np.stack([full[r][n[r] - 1] for r in range(4)]), atol=TOL)
+  for g in range(n_new - 1):
+    pos = n + g
+    tok = seqs[np.arange(4), pos]
+    logits, cache = _decode(params, cache, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(n), cfg=cfg, lay=lay)
+    np.testing.assert_allclose(logits, np.stack([full[r][pos[r]] for r in range(4)]), atol=TOL)

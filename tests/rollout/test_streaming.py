@@ -1,4 +1,4 @@
-"""Streaming groups: the rollout producer over the continuous engine fills each batch from the prompt groups
+"""Streaming groups: the rollout producer over the engine fills each batch from the prompt groups
 that finish first, keeps the next batch's prompts in flight, and resumes without losing a prompt."""
 
 import dataclasses
@@ -65,13 +65,11 @@ class Weights:
     return P0, self.version
 
 
-class LimitedEngine(S.ContinuousSampler):
+class LimitedEngine(S.Sampler):
   """Each record's length is its `limit` (random weights never stop): a prompt's group takes that long."""
 
-  limits = {}
-
-  def stream(self, strategy=S.Temperature(1.0), *, on_chunk=None):
-    st = super().stream(strategy, on_chunk=on_chunk)
+  def stream(self, strategy=S.Temperature(1.0), *, weights=None, on_chunk=None):
+    st = super().stream(strategy, weights=weights, on_chunk=on_chunk)
     submit = st.submit
 
     def with_limits(prompts, **kw):

@@ -1,4 +1,5 @@
-"""Sampler engine against an independent reference: a full forward (no KV cache) per step, per row."""
+"""The sampling engine (rlax.sampler.Sampler, dense layout) against an independent reference: a full forward (no
+KV cache) per step, per row."""
 
 import jax
 import jax.numpy as jnp
@@ -7,50 +8,86 @@ import pytest
 
 from rlax import models as M
 from rlax import sampler as S
-from rlax.sampler import decode
+from rlax.sampler import layouts
+from rlax.weights.reshard import reshard
 
-from harness.sampling_ref import CFG, P0, P1, PROMPTS, assert_matches_reference, reference
+from harness.sampling_ref import (CFG, P0, P1, PROMPTS, assert_logprobs_match_their_versions,
+                                  assert_matches_reference, assert_rows_match_reference, reference)
 
 
 def make(**kw):
-  args = dict(max_prompt_len=16, max_new_tokens=8, batch_size=16, params=P0)
+  args = dict(max_prompt_len=16, max_new_tokens=8, slots=4, decode_chunk=3, params=P0)
   args.update(kw)
   return S.Sampler(CFG, **args)
 
 
 @pytest.fixture(scope="module")
-def sm():
-  """One default sampler shared by tests that only read from it (saves compiles)."""
+def cs():
   return make()
 
 
-@pytest.mark.parametrize("strategy", [S.Greedy(), S.Temperature(0.8), S.TopK(4, 1.2), S.TopP(0.7, 1.0),
-                                      S.TopP(0.9, 0.7, k=6)])
-def test_matches_full_forward_reference(sm, strategy):
-  """Greedy = step-by-step argmax; sampled tokens and behaviour log-probs = full-forward recomputation."""
-  out = sm.generate(PROMPTS, samples_per_prompt=2, strategy=strategy, seed=3, step=7)
+@pytest.mark.parametrize("strategy", [S.Greedy(), S.Temperature(0.8), S.TopK(4, 1.2), S.TopP(0.9, 0.7, k=6)])
+def test_matches_full_forward_reference_with_more_requests_than_slots(cs, strategy):
+  # 4 prompts x 2 samples on 4 slots: half the rows wait for a slot.
+  out = cs.generate(PROMPTS, samples_per_prompt=2, strategy=strategy, seed=3, step=7)
   assert_matches_reference(out, strategy)
-  # Left-padded prompts into the 8-token bucket.
-  assert out.prompt_tokens.shape == (8, 8)
-  np.testing.assert_array_equal(np.asarray(out.prompt_tokens[2])[1:], PROMPTS[1])
-  assert np.asarray(out.prompt_mask[0]).tolist() == [False] * 5 + [True] * 3
+  assert np.all(np.asarray(out.sampled))
+  # Left-padded prompts in the output, whatever the cache holds.
+  np.testing.assert_array_equal(np.asarray(out.prompt_tokens[2])[-7:], PROMPTS[1])
+  assert np.asarray(out.prompt_mask[0]).tolist() == [False] * 13 + [True] * 3
 
 
-def test_group_samples_differ_and_share_one_prefill(sm):
-  """G samples of one prompt come from one prefill row (see reference equality above) yet differ."""
-  out = sm.generate([PROMPTS[1]], samples_per_prompt=4, strategy=S.Temperature(1.5), seed=0)
-  rows = {tuple(r) for r in np.asarray(out.tokens).tolist()}
-  assert len(rows) > 1
+def test_uniform_batch_in_one_admission():
+  """A batch that fits the slots is admitted at once and decoded to its limit: the old static engine's case."""
+  cs = make(slots=8, decode_chunk=8)
+  out = cs.generate(PROMPTS, samples_per_prompt=2, strategy=S.Temperature(1.0), seed=3, step=7)
+  assert_matches_reference(out, S.Temperature(1.0))
+  t = cs.last_timings
+  assert t["chunks"] == 1 and t["decode_steps"] == 7 and t["slot_utilization"] == 1.0
+
+
+def test_group_samples_differ_and_share_one_prefill(cs):
+  out = cs.generate([PROMPTS[1]], samples_per_prompt=4, strategy=S.Temperature(1.5), seed=0)
+  assert len({tuple(r) for r in np.asarray(out.tokens).tolist()}) > 1
   ref_tok, _ = reference(lambda t: P0, [PROMPTS[1]], 8, S.Temperature(1.5), G=4)
   np.testing.assert_array_equal(np.asarray(out.tokens), ref_tok)
 
 
+def test_padding_invariance(cs):
+  """A row's output depends on its prompt, id and sample index only, not on the batch around it."""
+  kw = dict(samples_per_prompt=2, strategy=S.Temperature(1.0), seed=5)
+  alone = cs.generate([PROMPTS[0]], prompt_ids=[11], **kw)
+  mixed = cs.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], prompt_ids=[3, 11, 4], **kw)
+  np.testing.assert_array_equal(np.asarray(mixed.tokens[2:4]), np.asarray(alone.tokens))
+  np.testing.assert_allclose(np.asarray(mixed.logprobs[2:4]), np.asarray(alone.logprobs), atol=1e-5)
+
+
+def test_per_request_limits_free_slots_for_queued_requests():
+  cs = make(slots=4, decode_chunk=2)
+  limits = np.asarray([1, 8, 3, 2, 8, 5, 4, 7])
+  out = cs.generate(PROMPTS, samples_per_prompt=2, strategy=S.Temperature(1.0), seed=1, max_new_tokens=limits)
+  lps, _ = assert_rows_match_reference(out, limits, 8, seed=1)
+  for r, n in enumerate(limits):
+    assert np.all(lps[r, n:] == 0)
+  t = cs.last_timings
+  assert 0 < t["slot_utilization"] <= 1 and t["decode_steps"] < 2 * 8
+
+
+def test_long_rows_attend_over_later_segments_only_where_they_reach():
+  """A 200-token budget splits the generated cache into segments (0-64, 64-128, 128-200): rows past the first
+  segment attend over the later ones in blocks, the others skip them; all match the full forward."""
+  assert layouts.segments(200) == ((0, 64), (64, 128), (128, 200))
+  cs = make(slots=4, max_new_tokens=200, decode_chunk=16)
+  limits = np.asarray([150, 3, 70, 200, 10, 130, 65, 2])
+  out = cs.generate(PROMPTS, samples_per_prompt=2, strategy=S.Temperature(1.0), seed=4, max_new_tokens=limits)
+  assert_rows_match_reference(out, limits, 200, seed=4, atol=1e-4)
+
+
 def test_stop_conditions_and_early_exit():
   base = np.asarray(make().generate(PROMPTS, strategy=S.Greedy()).tokens)
-  eos = int(base[0, 2])
-  stop = tuple(int(x) for x in base[1, 3:5])
-  sm = make(eos_id=eos, stop_sequences=[stop])
-  out = sm.generate(PROMPTS, strategy=S.Greedy())
+  eos, stop = int(base[0, 2]), tuple(int(x) for x in base[1, 3:5])
+  cs = make(slots=2, eos_id=eos, stop_sequences=[stop])
+  out = cs.generate(PROMPTS, strategy=S.Greedy())
   toks, lens, why = np.asarray(out.tokens), np.asarray(out.lengths), np.asarray(out.finish_reason)
   for r in range(len(PROMPTS)):
     row = base[r].tolist()
@@ -65,140 +102,133 @@ def test_stop_conditions_and_early_exit():
     assert (lens[r], why[r]) == (end, reason), r
     np.testing.assert_array_equal(toks[r, :end], base[r, :end])
     assert np.all(toks[r, end:] == 0) and np.all(np.asarray(out.logprobs)[r, end:] == 0)
-    assert np.all(np.asarray(out.versions)[r, end:] == -1)
+    assert np.all(np.asarray(out.versions)[r, end:] == -1) and not np.any(np.asarray(out.sampled)[r, end:])
   assert lens[0] <= 3 and why[0] == S.EOS
-  assert sm.last_timings["steps"] == lens.max()
-  # One row that hits EOS early: the decode loop stops there instead of running to max_new_tokens.
-  one = sm.generate([PROMPTS[0]], strategy=S.Greedy())
-  assert int(one.lengths[0]) == lens[0] and sm.last_timings["steps"] == lens[0] < 8
+  # One row that stops early: the decode loop stops there instead of running to max_new_tokens.
+  one = cs.generate([PROMPTS[0]], strategy=S.Greedy())
+  assert cs.last_timings["decode_steps"] == int(one.lengths[0]) - 1 < 7
 
 
-def test_padding_invariance(sm):
-  """A row's output depends on its prompt, id and sample index only, not on the batch or the bucket."""
-  kw = dict(samples_per_prompt=2, strategy=S.Temperature(1.0), seed=5)
-  alone = sm.generate([PROMPTS[0]], prompt_ids=[11], **kw)
-  mixed = sm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], prompt_ids=[3, 11, 4], **kw)
-  longer = sm.generate([PROMPTS[0], list(range(1, 13))], prompt_ids=[11, 9], **kw)  # 16-token bucket
-  assert longer.prompt_tokens.shape[1] == 16 and alone.prompt_tokens.shape[1] == 8
-  for other, rows in ((mixed, slice(2, 4)), (longer, slice(0, 2))):
-    np.testing.assert_array_equal(np.asarray(other.tokens[rows]), np.asarray(alone.tokens))
-    np.testing.assert_allclose(np.asarray(other.logprobs[rows]), np.asarray(alone.logprobs), atol=1e-5)
-  again = sm.generate([PROMPTS[0]], prompt_ids=[11], **kw)
-  np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(alone.tokens))
+def test_no_recompile_in_steady_state():
+  # Compiles: a decode program per slot bucket (4, 2, 1: the tail shrinks), and a prefill + admission
+  # program per admission bucket (1 or 2 groups).
+  cs = make(slots=4)
+
+  def calls(version):
+    cs.generate(PROMPTS, samples_per_prompt=2, strategy=S.Greedy(), max_new_tokens=[3, 8, 1, 2, 5, 5, 6, 7])
+    cs.update_weights(P1 if version % 2 else P0, version=version)  # params are jit arguments
+    cs.generate([[9] * 12, [3], [4, 4]], samples_per_prompt=2, strategy=S.Greedy(), seed=version, max_new_tokens=4)
+    cs.generate(PROMPTS[::-1] * 2, samples_per_prompt=2, strategy=S.Greedy(), seed=version)
+
+  calls(1)
+  counts = dict(cs.trace_counts)
+  assert counts["decode"] <= 3 and counts["prefill"] <= 2 and counts["admit"] <= 2, counts
+  assert "recompute" not in counts  # the swap happened between calls, not inside one
+  calls(2)
+  assert dict(cs.trace_counts) == counts
+  # Another group size admits rows in other shapes; the decode program is still the same one.
+  cs.generate(PROMPTS, samples_per_prompt=4, strategy=S.Greedy(), seed=6)
+  cs.generate(PROMPTS[:2], samples_per_prompt=4, strategy=S.Greedy(), seed=7)
+  assert cs.trace_counts["decode"] == counts["decode"] and cs.trace_counts["admit"] <= counts["admit"] + 1
 
 
-def test_no_recompile_inside_buckets():
-  sm = make()
-  sm.generate([[1, 2, 3], [5]], strategy=S.Greedy())
-  counts = dict(sm.trace_counts)
-  assert counts == {"prefill": 1, "decode": 1}
-  sm.generate([[1, 2, 3, 4, 5, 6, 7], [4, 4]], strategy=S.Greedy(), seed=1)  # same buckets (8, 2 rows)
-  sm.update_weights(P1, version=1)  # params are jit arguments
-  sm.generate([[9] * 8, [3]], strategy=S.Greedy())
-  assert dict(sm.trace_counts) == counts
-  sm.generate([[9] * 9, [1]], strategy=S.Greedy())  # next prompt bucket: one new compile each
-  assert dict(sm.trace_counts) == {"prefill": 2, "decode": 2}
+@pytest.mark.parametrize("on_swap", ["recompute", "keep"])
+def test_weight_swap_mid_generation_keeps_each_tokens_version_and_logprob(on_swap):
+  """Rows in flight continue under new weights; every token records the version that drew it."""
+  cs = make(slots=4, decode_chunk=3, max_new_tokens=9, on_swap=on_swap)
 
-
-def test_long_generation_over_cache_segments():
-  """Past 128 new tokens the generated cache is split in segments; output still equals the reference."""
-  assert decode.segments(130) == ((0, 64), (64, 128), (128, 130))
-  long = make(max_new_tokens=130, batch_size=2)
-  out = long.generate(PROMPTS[:2], strategy=S.Temperature(1.0), seed=1)
-  ref_tok, ref_lp = reference(lambda t: P0, PROMPTS[:2], 130, S.Temperature(1.0), seed=1)
-  np.testing.assert_array_equal(np.asarray(out.tokens), ref_tok)
-  np.testing.assert_allclose(np.asarray(out.logprobs), ref_lp, atol=1e-5)
-
-
-def test_weight_update_between_chunks():
-  """Swapping weights before chunk 1 applies from that chunk's first token, and versions record it."""
-  sm = make(max_new_tokens=9, decode_chunk=3)
-  swaps = []
-
-  def on_chunk(i, t):
+  def on_chunk(i, _):
     if i == 1:
-      swaps.append(t)
-      sm.update_weights(P1, version=1)
+      cs.update_weights(P1, version=1)
 
-  out = sm.generate(PROMPTS, strategy=S.Greedy(), on_chunk=on_chunk)
-  assert swaps == [3] and out.version == 1 and sm.last_timings["chunks"] == 3
-  assert sm.last_timings["refills"] == 1
-  assert np.all(np.asarray(out.versions) == np.asarray([0] * 3 + [1] * 6)[None])
-  ref_tok, ref_lp = reference(lambda t: P0 if t < 3 else P1, PROMPTS, 9, S.Greedy())
-  np.testing.assert_array_equal(np.asarray(out.tokens), ref_tok)
-  np.testing.assert_allclose(np.asarray(out.logprobs), ref_lp, atol=1e-5)
-  # The new weights really changed the continuation (otherwise this test proves nothing).
-  old_tok, _ = reference(lambda t: P0, PROMPTS, 9, S.Greedy())
-  assert not np.array_equal(old_tok[:, 3:], ref_tok[:, 3:])
+  out = cs.generate(PROMPTS, samples_per_prompt=2, strategy=S.Temperature(1.0), seed=2, on_chunk=on_chunk)
+  ver = np.asarray(out.versions)
+  assert out.version == 1 and cs.last_timings["swaps"] == 1
+  assert set(np.unique(ver).tolist()) == {0, 1}
+  assert np.all(np.diff(ver, axis=1) >= 0)  # per row: old version first, then new
+  assert np.any(ver[:, 0] == 1)  # rows admitted after the swap start under it
+  if on_swap == "keep":
+    return
+  # Recompute: each token's behaviour log-prob is exactly its version's policy, teacher-forced.
+  assert_logprobs_match_their_versions(out, {0: P0, 1: P1})
 
 
-def test_submesh_matches_single_device(sm):
+def test_weights_source_is_read_not_held(cs):
+  """The engine holds no weights: a (params, version) pair or any source's latest() is what a call uses."""
+  a = cs.generate(PROMPTS, strategy=S.Greedy(), weights=(P1, 7))
+  assert a.version == 7 and cs.version == 0
+  ref_tok, _ = reference(lambda t: P1, PROMPTS, 8, S.Greedy())
+  np.testing.assert_array_equal(np.asarray(a.tokens), ref_tok)
+  with pytest.raises(ValueError, match="no weights"):
+    make(params=None).generate(PROMPTS)
+
+
+def test_submesh_matches_single_device(cs):
   mesh = M.make_mesh(jax.devices()[:4], data=2, fsdp=1, tensor=2)
-  single = sm.generate(PROMPTS, samples_per_prompt=2, strategy=S.TopP(0.9), seed=2)
-  meshed = make(mesh=mesh, params=None)
-  meshed.update_weights(P0, version=0)
-  assert set(meshed._weights[0]["layers"]["q"].sharding.device_set) == set(jax.devices()[:4])
+  single = cs.generate(PROMPTS, samples_per_prompt=2, strategy=S.TopP(0.9), seed=2)
+  meshed = make(mesh=mesh)
+  params, _ = meshed.weights.latest()
+  assert set(params["layers"]["q"].sharding.device_set) == set(jax.devices()[:4])
   out = meshed.generate(PROMPTS, samples_per_prompt=2, strategy=S.TopP(0.9), seed=2)
-  assert len(out.tokens.sharding.device_set) == 4
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(single.tokens))
   np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(single.logprobs), atol=1e-5)
-  # Per device: batch split over data=2, KV heads over tensor=2.
-  assert meshed.memory["cache"] * 4 == sm.memory["cache"]
-  # One prompt x G rows fills one of the two data shards' prefill rows: it is padded, not refused.
-  one = meshed.generate(PROMPTS[:1], samples_per_prompt=8, strategy=S.Greedy(), seed=2)
-  np.testing.assert_array_equal(np.asarray(one.tokens),
-                                np.asarray(sm.generate(PROMPTS[:1], samples_per_prompt=8, strategy=S.Greedy(),
-                                                       seed=2).tokens))
-
-
-def test_memory_budget_and_bad_requests(sm):
-  with pytest.raises(ValueError, match=r"KV cache .* batch 16 x 24 slots.*budget is 10,000 bytes"):
-    make(memory_budget_bytes=10_000)
-  with pytest.raises(ValueError, match="exceeds max_prompt_len 16"):
-    sm.generate([[1] * 17])
-  with pytest.raises(ValueError, match="exceed batch_size 16"):
-    sm.generate(PROMPTS, samples_per_prompt=5)
-  with pytest.raises(ValueError, match=r"\['layers'\]\['q'\]"):
-    sm.update_weights({**P0, "layers": {**P0["layers"], "q": P0["layers"]["q"][:, :4]}}, 1)
-
-
-def test_lowerings_are_the_programs_generate_runs():
-  """lower_prefill / lower_decode trace exactly what generate runs: generate afterwards traces nothing new."""
-  mesh = M.make_mesh(jax.devices()[:4], data=2, fsdp=1, tensor=2)
-  sm = make(mesh=mesh)
-  held = sm._weights[0]
-  for a, w in zip(jax.tree.leaves(sm.abstract_params()), jax.tree.leaves(held)):
-    assert (a.shape, a.dtype, a.sharding) == (w.shape, w.dtype, w.sharding)
-  assert tuple(sm.batch_sharding(2).spec) == ("data", None)
-  strategy = S.TopK(4, 1.2)
-  prefill = sm.lower_prefill(len(PROMPTS), 7, 2, strategy).compile()  # 7 tokens: the 8-token bucket
-  sm.lower_decode(prefill, strategy).compile()
-  assert dict(sm.trace_counts) == {"prefill": 1, "decode": 1}
-  sm.generate(PROMPTS, samples_per_prompt=2, strategy=strategy)
-  assert dict(sm.trace_counts) == {"prefill": 1, "decode": 1}
+  # Per device: slots split over data=2, KV heads over tensor=2.
+  assert meshed.memory["cache"] * 4 == cs.memory["cache"]
 
 
 def test_weights_are_held_in_the_compute_dtype():
-  """float32 params, bfloat16 compute: the parameter server's bf16 delivery is kept as is, float32 params
-  are cast on the sampler mesh; both generate the same, and memory counts bf16 params."""
-  from rlax.param_server import ParameterServer
+  """float32 params, bfloat16 compute: the reshard's bf16 delivery is published as is, float32 params are cast on
+  the sampler mesh; both generate the same, and memory counts bf16 params."""
   cfg = CFG.replace(param_dtype="float32", dtype="bfloat16")
   trainer_mesh = M.make_mesh(jax.devices()[:2], fsdp=2)
   sampler_mesh = M.make_mesh(jax.devices()[2:4], data=2, fsdp=1)
   params = M.create_params(cfg, trainer_mesh, seed=0)
-  ps = ParameterServer(M.param_shardings(cfg, sampler_mesh), sampler_dtype=cfg.dtype)
-  ps.push(params, 1)
-  sm = S.Sampler(cfg, sampler_mesh, max_prompt_len=16, max_new_tokens=6, batch_size=8)
-  sm.update_weights(*ps.pull())
-  assert all(a is b for a, b in zip(jax.tree.leaves(sm._weights[0]), jax.tree.leaves(ps.pull()[0])))  # no copy
-  pulled = sm.generate(PROMPTS, strategy=S.Greedy())
+  pushed, _ = reshard(params, M.param_shardings(cfg, sampler_mesh), cfg.dtype)
+  sm = S.Sampler(cfg, sampler_mesh, max_prompt_len=16, max_new_tokens=6, slots=8)
+  sm.update_weights(pushed, 1)
+  assert all(a is b for a, b in zip(jax.tree.leaves(sm.weights.latest()[0]), jax.tree.leaves(pushed)))  # no copy
+  got = sm.generate(PROMPTS, strategy=S.Greedy())
   sm.update_weights(params, 2)  # float32 on the trainer mesh
-  for a, w in zip(jax.tree.leaves(sm.abstract_params()), jax.tree.leaves(sm._weights[0])):
+  for a, w in zip(jax.tree.leaves(sm.abstract_params()), jax.tree.leaves(sm.weights.latest()[0])):
     assert (a.dtype, a.sharding) == (w.dtype, w.sharding) and w.dtype == jnp.bfloat16
   direct = sm.generate(PROMPTS, strategy=S.Greedy())
-  assert direct.version == 2 and pulled.version == 1
-  np.testing.assert_array_equal(np.asarray(direct.tokens), np.asarray(pulled.tokens))
-  np.testing.assert_array_equal(np.asarray(direct.logprobs), np.asarray(pulled.logprobs))
+  assert direct.version == 2 and got.version == 1
+  np.testing.assert_array_equal(np.asarray(direct.tokens), np.asarray(got.tokens))
+  np.testing.assert_array_equal(np.asarray(direct.logprobs), np.asarray(got.logprobs))
   assert sm.memory["params"] * 2 == make(params=None).memory["params"]  # bf16 (data=2 replicates params)
   with pytest.raises(ValueError, match=r"\['embed'\] is float16.*expected bfloat16 or float32"):
     sm.update_weights(jax.tree.map(lambda x: x.astype(jnp.float16), params), 3)
+
+
+def test_lowerings_are_the_programs_a_stream_runs():
+  """abstract_state / lower_admit / lower_decode trace exactly what generate runs: it then traces nothing new."""
+  mesh = M.make_mesh(jax.devices()[:4], data=2, fsdp=1, tensor=2)
+  sm = make(mesh=mesh, slots=8)
+  empty = sm.empty()
+  for a, x in zip(jax.tree.leaves(sm.abstract_state()), jax.tree.leaves(empty)):
+    assert (a.shape, a.dtype, a.sharding) == (x.shape, x.dtype, x.sharding)
+  strategy = S.TopK(4, 1.2)
+  lowered = sm.lower_admit(4, 2, strategy)
+  lowered["prefill"].compile(), lowered["admit"].compile()
+  sm.lower_decode(strategy).compile()
+  assert dict(sm.trace_counts) == {"prefill": 1, "admit": 1, "decode": 1}
+  sm.generate(PROMPTS, samples_per_prompt=2, strategy=strategy)
+  assert dict(sm.trace_counts) == {"prefill": 1, "admit": 1, "decode": 1}
+
+
+def test_bad_requests_and_memory_budget():
+  cs = make(slots=4)
+  with pytest.raises(ValueError, match="samples_per_prompt=3 must be >= 1 and divide slots=4"):
+    cs.generate(PROMPTS, samples_per_prompt=3)
+  with pytest.raises(ValueError, match=r"max_new_tokens must lie in \[1, 8\]"):
+    cs.generate(PROMPTS, max_new_tokens=9)
+  with pytest.raises(ValueError, match="exceeds max_prompt_len 16"):
+    cs.generate([[1] * 17])
+  with pytest.raises(ValueError, match="on_swap"):
+    make(on_swap="later")
+  with pytest.raises(ValueError, match=r"\['layers'\]\['q'\]"):
+    cs.update_weights({**P0, "layers": {**P0["layers"], "q": P0["layers"]["q"][:, :4]}}, 1)
+  with pytest.raises(ValueError, match=r"KV cache .* for 4 slots x 24 tokens.*budget is 10,000 bytes"):
+    make(memory_budget_bytes=10_000)
+  with pytest.raises(ValueError, match="attention must be one of"):
+    make(attention="pallas")

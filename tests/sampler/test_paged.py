@@ -1,7 +1,8 @@
-"""Paged KV cache decode: the Pallas TPU kernel (interpret mode on CPU) and the jnp reference against a dense
-numpy softmax, and the whole paged decode step against the full-sequence forward (no cache)."""
+"""The paged layout: the Pallas TPU kernel (interpret mode on CPU) and the jnp reference against a dense numpy
+softmax, and the one decode step over the paged cache against the full-sequence forward (no cache)."""
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,9 @@ import numpy as np
 import pytest
 
 from rlax import models as M
-from rlax.sampler import paged
+from rlax.sampler import layouts, paged
+from rlax.sampler import params as params_lib
+from rlax.sampler import step as step_lib
 
 # Slot lengths: one token, inside the first page, exactly one page, and spanning several pages (page 4).
 LENGTHS = [1, 3, 4, 14]
@@ -85,7 +88,12 @@ CFG = M.ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads
                     qkv_bias=True)
 PG, MAX_LEN = 4, 11  # 3 pages per slot, the last one partly used
 STARTS = np.array([0, 2, 5, 1])  # slot s joins at step STARTS[s]: slots sit at different positions
-STEP = jax.jit(paged.decode_step, static_argnums=1, static_argnames=("attention",), donate_argnums=2)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnums=1)
+def _step(params, cache, tok, pos, live, *, cfg, layout):
+  fused = params_lib.fuse(params, cfg, stacked=cfg.scan_layers, concat=False)
+  return step_lib.decode_step(fused, cfg, layout, cache, tok, pos, jnp.zeros_like(pos), live, 1)
 
 
 def _params(cfg):
@@ -95,29 +103,36 @@ def _params(cfg):
           "q_bias": 0.5 * jax.random.normal(jax.random.key(1), p["layers"]["q_bias"].shape)}}
 
 
-def _run(cfg, params, tokens, attention="reference", mesh=None, shards=1, steps=None):
-  """Decodes tokens [S, T] with staggered starts; returns {(slot, position): logits} of every active step."""
-  S, T = tokens.shape
+def _cache(cfg, S, T, shards):
   n = paged.pages_per_slot(T, PG)
   if shards == 1:  # shuffled pages, with spare pages in the pool
     table = np.random.default_rng(0).permutation(S * n + 2)[:S * n].reshape(S, n)
-    cache = paged.init_cache(cfg, S, T, PG, num_pages=S * n + 2, page_table=table)
+    pages = S * n + 2
   else:  # page ids are local to each slot shard's part of the pool
-    cache = paged.init_cache(cfg, S, T, PG, page_table=paged.contiguous_page_table(S, n, shards)[:, ::-1])
+    table, pages = paged.contiguous_page_table(S, n, shards)[:, ::-1], S * n
+  shape = (cfg.n_kv_heads, cfg.n_layers, pages, PG, cfg.head_dim)
+  return layouts.PagedCache(k=jnp.zeros(shape, cfg.jnp_dtype), v=jnp.zeros(shape, cfg.jnp_dtype),
+                            page_table=jnp.asarray(table, jnp.int32))
+
+
+def _run(cfg, params, tokens, attention="reference", mesh=None, shards=1, steps=None):
+  """Decodes tokens [S, T] with staggered starts; returns {(slot, position): logits} of every active step."""
+  S, T = tokens.shape
+  layout = layouts.Paged(T, PG, attention)
+  cache = _cache(cfg, S, T, shards)
   ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
   out = {}
   with ctx:
     if mesh is not None:
-      cache = jax.device_put(cache, paged.cache_shardings(cfg, mesh, S))
+      cache = jax.device_put(cache, layout.shardings(cfg, mesh, S))
     for t in range(steps or T + STARTS.max()):
+      pos = np.clip(t - STARTS, 0, T - 1)
       active = (t >= STARTS) & (t - STARTS < T)
-      pos = np.asarray(cache.lengths)
-      tok = tokens[np.arange(S), np.minimum(pos, T - 1)]
-      logits, cache = STEP(params, cfg, cache, jnp.asarray(tok, jnp.int32), jnp.asarray(active),
-                           attention=attention)
+      tok = tokens[np.arange(S), pos]
+      logits, cache = _step(params, cache, jnp.asarray(tok, jnp.int32), jnp.asarray(pos, jnp.int32),
+                            jnp.asarray(active), cfg=cfg, layout=layout)
       logits = np.asarray(logits)
       out.update({(s, int(pos[s])): logits[s] for s in range(S) if active[s]})
-  assert np.asarray(cache.lengths).tolist() == [min(T, max(0, (steps or T + STARTS.max()) - s)) for s in STARTS]
   return out
 
 
@@ -138,12 +153,9 @@ def problem():
 def test_decode_step_matches_full_forward(problem, scan):
   """Every slot at every position (staggered: slots at different positions in one step, pages shuffled)."""
   tokens, params, full = problem
-  cfg = CFG.replace(scan_layers=scan)
-  out = _run(cfg, params, tokens)
+  out = _run(CFG.replace(scan_layers=scan), params, tokens)
   assert len(out) == len(STARTS) * MAX_LEN
   _check(out, full, 1e-4)
-  # Fused q|k|v and gate|up weights (what decode.decode_step uses) give the same logits.
-  _check(_run(cfg, paged.fuse_layers(params, cfg), tokens), full, 1e-4)
 
 
 def test_decode_step_with_interpreted_kernel(problem):
@@ -175,24 +187,22 @@ def test_decode_step_bfloat16(problem):
   assert len(errs) == 8 + 6 + 3 + 7 and max(errs) < 2e-2  # measured 3.4e-3
 
 
-def test_idle_and_full_slots_write_nothing(problem):
+def test_idle_slots_write_nothing(problem):
   _, params, _ = problem
   cfg = CFG.replace(scan_layers=True)
-  n = paged.pages_per_slot(MAX_LEN, PG)
-  cache = paged.init_cache(cfg, 4, MAX_LEN, PG, num_pages=4 * n + 2, page_table=np.arange(4 * n).reshape(4, n))
-  cache = cache.replace(lengths=jnp.asarray([n * PG, 1, 0, 3], jnp.int32))  # slot 0 full, the others idle
-  _, new = STEP(params, cfg, cache, jnp.asarray([3, 3, 3, 3], jnp.int32), jnp.asarray([True, False, False, False]))
-  assert np.asarray(new.lengths).tolist() == [n * PG, 1, 0, 3]
+  layout = layouts.Paged(MAX_LEN, PG)
+  cache = _cache(cfg, 4, MAX_LEN, 1)
+  _, new = _step(params, cache, jnp.asarray([3, 3, 3, 3], jnp.int32), jnp.asarray([2, 1, 0, 3], jnp.int32),
+                 jnp.zeros(4, bool), cfg=cfg, layout=layout)
   assert not np.asarray(new.k).any() and not np.asarray(new.v).any()
 
 
-def test_budget_sizing_and_kernel_cost():
+def test_kernel_cost_and_page_sizes():
   cfg = M.preset("qwq32b")
-  per_page = paged.page_bytes(cfg, 128)
-  assert per_page == 2 * 64 * 8 * 128 * 128 * 2  # K and V, 64 layers, 8 KV heads, bf16
-  assert paged.pages_for_budget(cfg, 10 * per_page + 1, 128, multiple_of=4) == 8
+  per_page = 2 * 64 * 8 * 128 * 128 * 2  # K and V, 64 layers, 8 KV heads, bf16
   assert paged.default_pages_per_block(129, 128) == 3 and paged.default_pages_per_block(128, 128) == 8
   c = paged.kernel_cost(cfg, [1, 128, 129], 128)
   assert c["pages_read"] == 64 * 4
   assert c["bytes_accessed"] == 64 * (4 * per_page // 64 + 2 * 3 * 40 * 128 * 4)
   assert paged.kernel_cost(cfg, [1, 128, 129], 128, pages_per_block=2)["pages_read"] == 64 * 6  # whole blocks
+  assert [paged.default_page_size(n) for n in (24, 300, 1 << 14)] == [16, 32, 128]

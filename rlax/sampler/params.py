@@ -1,0 +1,75 @@
+"""The weights as the sampler uses them: in the compute dtype (`cfg.dtype`) on the sampler mesh's shardings,
+and fused for decoding.
+
+The parameter server casts on the trainer side (fewer bytes cross) and delivers exactly this layout;
+`Placer` makes it from anything else a user hands over (float32 params, another mesh). The sampler holds no
+weights itself: it reads them from its `WeightsService`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import jax
+from jax.sharding import Mesh
+
+from rlax import models
+from rlax.models import layers
+from rlax.models.init import abstract_params as model_params
+
+
+def shardings(cfg: models.ModelConfig, mesh: Optional[Mesh]):
+  """The sampler's parameter shardings (None without a mesh)."""
+  return models.param_shardings(cfg, mesh) if mesh is not None else None
+
+
+def abstract(cfg: models.ModelConfig, mesh: Optional[Mesh] = None) -> models.Params:
+  """ShapeDtypeStructs of the weights as the sampler holds them (compute dtype, its shardings)."""
+  sds = lambda s, sh=None: jax.ShapeDtypeStruct(s.shape, cfg.jnp_dtype, sharding=sh)
+  if mesh is None:
+    return jax.tree.map(sds, model_params(cfg))
+  return jax.tree.map(sds, model_params(cfg), shardings(cfg, mesh))
+
+
+def validate(cfg: models.ModelConfig, params: models.Params) -> None:
+  """Raises one ValueError naming the first leaf whose tree position, shape or dtype does not fit `cfg`."""
+  want = models.param_shapes(cfg)
+  is_shape = lambda s: isinstance(s, tuple)
+  if jax.tree.structure(params) != jax.tree.structure(want, is_leaf=is_shape):
+    raise ValueError("update_weights: parameter tree does not match the sampler's model config")
+  ok = {cfg.jnp_dtype, cfg.jnp_param_dtype}
+  for (path, x), shape in zip(jax.tree.flatten_with_path(params)[0], jax.tree.leaves(want, is_leaf=is_shape)):
+    if tuple(x.shape) != tuple(shape) or x.dtype not in ok:
+      raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} is {x.dtype}{list(x.shape)}, expected "
+                       f"{' or '.join(sorted({cfg.dtype, cfg.param_dtype}))}{list(shape)}")
+
+
+class Placer:
+  """params (any mesh, param or compute dtype) → the sampler's layout; leaves already there are kept as is."""
+
+  def __init__(self, cfg: models.ModelConfig, mesh: Optional[Mesh]):
+    self.cfg, self.mesh, self.shardings = cfg, mesh, shardings(cfg, mesh)
+    cast = lambda p: jax.tree.map(lambda x: x.astype(cfg.jnp_dtype), p)
+    self._cast = jax.jit(cast, out_shardings=self.shardings) if mesh is not None else jax.jit(cast)
+
+  def __call__(self, params: models.Params) -> models.Params:
+    validate(self.cfg, params)
+    if self.mesh is not None:
+      params = jax.device_put(params, self.shardings)
+    if any(x.dtype != self.cfg.jnp_dtype for x in jax.tree.leaves(params)):
+      with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+        params = self._cast(params)
+    return params
+
+
+def fuse(params: models.Params, cfg: models.ModelConfig, *, stacked: bool, concat: bool = True) -> dict:
+  """The decode step's weights: every layer `layers.fuse`d when `concat` (q|k|v and gate|up: one matmul each,
+  what XLA:CPU wants; on TPU a step reads the same bytes either way, so it keeps the stored weights), as one
+  stacked tree (stacked=True, for a scan over layers) or a list of per-layer trees; plus embed, final norm and
+  lm head in the compute dtype. Run once per decode chunk, outside its loop."""
+  lay = jax.vmap(lambda w: layers.fuse(cfg, w))(params["layers"]) if concat else params["layers"]
+  if not stacked:
+    lay = [jax.tree.map(lambda w, l=l: w[l], lay) for l in range(cfg.n_layers)]
+  return {"layers": lay, "embed": params["embed"], "final_norm": params["final_norm"].astype(cfg.jnp_dtype),
+          "lm_head": models.lm_head(params, cfg)}

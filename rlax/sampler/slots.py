@@ -1,0 +1,200 @@
+"""The decode slots' state and the pure programs the engine compiles over it: admit, decode a chunk, extend,
+recompute after a weight swap, cancel, and gather / grow (moving rows between slot counts).
+
+A slot holds one request: its prompt (n_prompt tokens), every token after it (`tokens`: sampled, or appended
+by an extension) with its log-prob, weight version and whether it was sampled, and the cache (a
+`rlax.sampler.layouts` layout's) of its sequence. t[s] tokens follow the prompt; the last one is fed by the
+next decode step, so indices 0 .. n_prompt + t - 2 are cached. Shapes are static (S slots, P prompt columns,
+N new-token budget, M stop ids per slot), so nothing recompiles in steady state.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from rlax import models
+from rlax.sampler import params as params_lib
+from rlax.sampler import rows as rows_lib
+from rlax.sampler import step as step_lib
+from rlax.sampler.strategies import SamplingMethod
+
+MAX_STOP_IDS = 4  # per-slot stop tokens (an extension's `stop`) beyond the engine's eos ids
+
+
+@flax.struct.dataclass
+class SlotState:
+  """tokens / logprobs / versions / sampled [S, N] (pad / 0 / -1 / False past a row's end); prompt [S, P]
+  right-padded, n_prompt [S]; t [S] tokens after the prompt; limit [S] t at which the row stops; done [S]
+  (free and held slots are done); reason [S]; last [S] the token fed next; keys [S] row keys; stop_ids [S, M]
+  (-1: none); work [] slot-steps that decoded a running row; steps [] decode steps run."""
+  cache: object
+  prompt: jax.Array
+  n_prompt: jax.Array
+  tokens: jax.Array
+  logprobs: jax.Array
+  versions: jax.Array
+  sampled: jax.Array
+  t: jax.Array
+  limit: jax.Array
+  done: jax.Array
+  reason: jax.Array
+  last: jax.Array
+  keys: jax.Array
+  stop_ids: jax.Array
+  work: jax.Array
+  steps: jax.Array
+
+
+def empty(cfg: models.ModelConfig, layout, slots: int, prompt_len: int, new_tokens: int, pad_id: int,
+          mesh=None) -> SlotState:
+  """Every slot free."""
+  S, N = slots, new_tokens
+  z = lambda shape, dt: jnp.zeros(shape, dt)
+  return SlotState(cache=layout.init(cfg, S, mesh), prompt=z((S, prompt_len), jnp.int32), n_prompt=z((S,), jnp.int32),
+                   tokens=jnp.full((S, N), pad_id, jnp.int32), logprobs=z((S, N), jnp.float32),
+                   versions=jnp.full((S, N), -1, jnp.int32), sampled=z((S, N), bool), t=z((S,), jnp.int32),
+                   limit=z((S,), jnp.int32), done=jnp.ones((S,), bool), reason=z((S,), jnp.int32),
+                   last=z((S,), jnp.int32), keys=jax.random.split(jax.random.key(0), S),
+                   stop_ids=jnp.full((S, MAX_STOP_IDS), -1, jnp.int32), work=z((), jnp.int32), steps=z((), jnp.int32))
+
+
+def record(st: SlotState, live, tok, lp, version, eos_ids: Sequence[int], stops, pad_id: int) -> SlotState:
+  """Writes the drawn token t[s] of every running slot s and updates done / reason / t / last."""
+  S, N = st.tokens.shape
+  rows = jnp.arange(S)
+  t = st.t
+  tok = jnp.where(live, tok, pad_id).astype(jnp.int32)
+  at = jnp.where(live, t, N)  # out of range: dropped
+  tokens = st.tokens.at[rows, at].set(tok, mode="drop")
+  is_eos, is_stop = rows_lib.ends(tok, tokens, t, eos_ids, stops, st.stop_ids)
+  finished = live & (is_eos | is_stop | (t + 1 >= st.limit))
+  reason = jnp.where(live & is_eos, rows_lib.EOS, jnp.where(live & is_stop, rows_lib.STOP, st.reason))
+  return st.replace(tokens=tokens, logprobs=st.logprobs.at[rows, at].set(lp.astype(jnp.float32), mode="drop"),
+                    versions=st.versions.at[rows, at].set(jnp.broadcast_to(version, (S,)).astype(jnp.int32),
+                                                          mode="drop"),
+                    sampled=st.sampled.at[rows, at].set(True, mode="drop"), done=st.done | finished,
+                    reason=reason.astype(jnp.int32), t=jnp.where(live, t + 1, t), last=jnp.where(live, tok, st.last))
+
+
+def prefill(params, prompt, n_prompt, *, cfg: models.ModelConfig):
+  """Distinct prompts [Q, P] (right-padded, n_prompt [Q] tokens each) → (keys, values [L, Q, P, K, Dh], logits
+  after the last prompt token [Q, V])."""
+  zero = jnp.zeros_like(n_prompt)
+  logits, k, v = step_lib.forward(params, cfg, prompt, zero, n_prompt)
+  return k, v, logits
+
+
+def admit(st: SlotState, k, v, logits, prompt, n_prompt, slot_ids, which, keys, limits, version, *, layout,
+          strategy: SamplingMethod, eos_ids, stops, pad_id: int) -> SlotState:
+  """Request a (prompt `which[a]` of a prefill: its keys / values / logits / tokens) takes slot slot_ids[a] (ids
+  >= S are padding, dropped) and draws its token 0. A slot's old tokens past its new t are masked, never read."""
+  S, N = st.tokens.shape
+  sid = slot_ids
+  put = lambda x, y: x.at[sid].set(y, mode="drop")
+  n = n_prompt[which]
+  zero = jnp.zeros_like(n)
+  cache = layout.write(st.cache, sid, k[:, which], v[:, which], zero, n, n)
+  A = sid.shape[0]
+  new = st.replace(
+      cache=cache, prompt=put(st.prompt, prompt[which]), n_prompt=put(st.n_prompt, n),
+      tokens=put(st.tokens, jnp.full((A, N), pad_id, jnp.int32)),
+      logprobs=put(st.logprobs, jnp.zeros((A, N), jnp.float32)), versions=put(st.versions, jnp.full((A, N), -1, jnp.int32)),
+      sampled=put(st.sampled, jnp.zeros((A, N), bool)), t=put(st.t, zero), limit=put(st.limit, limits.astype(jnp.int32)),
+      done=put(st.done, jnp.zeros((A,), bool)), reason=put(st.reason, jnp.full((A,), rows_lib.LENGTH, jnp.int32)),
+      keys=put(st.keys, keys), stop_ids=put(st.stop_ids, jnp.full((A, st.stop_ids.shape[1]), -1, jnp.int32)))
+  fresh = jnp.zeros((S,), bool).at[sid].set(True, mode="drop")
+  row_logits = jnp.zeros((S, logits.shape[-1]), logits.dtype).at[sid].set(logits[which], mode="drop")
+  tok, lp = strategy.sample(row_logits, rows_lib.uniforms(new.keys, new.t))
+  return record(new, fresh, tok, lp, version, eos_ids, stops, pad_id)
+
+
+def decode_chunk(params, st: SlotState, version, n_steps, *, cfg: models.ModelConfig, layout,
+                 strategy: SamplingMethod, eos_ids, stops, pad_id: int, concat: bool = True) -> SlotState:
+  """Up to `n_steps` decode steps over all slots, stopping early once no slot is running.
+
+  One `while_loop` per bound of the layout (`layout.bounds`): loop i runs while every running row's next
+  generated index is below bound i, and attends over the cache up to it, so short rows never pay for
+  attention over entries nobody has reached. concat: fuse the projections (`params.fuse`).
+  """
+  fused = params_lib.fuse(params, cfg, stacked=layout.scans and cfg.scan_layers, concat=concat)
+  end_step = st.steps + n_steps
+  for i, bound in enumerate(layout.bounds):
+
+    def cond(st, bound=bound):
+      live = ~st.done
+      return (st.steps < end_step) & jnp.any(live) & (jnp.max(jnp.where(live, st.t - 1, -1)) < bound)
+
+    def body(st, i=i):
+      live = ~st.done
+      pos = st.n_prompt + st.t - 1
+      logits, cache = step_lib.decode_step(fused, cfg, layout, st.cache, st.last, pos, st.n_prompt, live, i + 1)
+      tok, lp = strategy.sample(logits, rows_lib.uniforms(st.keys, st.t))
+      st = record(st.replace(cache=cache), live, tok, lp, version, eos_ids, stops, pad_id)
+      return st.replace(work=st.work + jnp.sum(live).astype(jnp.int32), steps=st.steps + 1)
+
+    st = jax.lax.while_loop(cond, body, st)
+  return st
+
+
+def extend(params, st: SlotState, slot_ids, append, n_append, limits, stop_ids, version, *, cfg: models.ModelConfig,
+           layout) -> SlotState:
+  """Appends tokens append[a, :n_append[a]] to the stopped row in slot slot_ids[a] (ids >= S: padding) and makes
+  it run again until t = limits[a]: the keys and values of its last token and of all appended tokens but the
+  last are written into its cache over the cached prefix (no re-prefill), the last appended token is fed by the
+  next decode step. Appended tokens are not sampled: log-prob 0, sampled False, the version in force."""
+  S, N = st.tokens.shape
+  sid = jnp.clip(slot_ids, 0, S - 1)
+  ok = slot_ids < S
+  n_prompt, t = st.n_prompt[sid], st.t[sid]
+  start = n_prompt + t - 1  # index of the row's last token, not yet cached
+  feed = jnp.concatenate([st.last[sid][:, None], append[:, :-1]], axis=1)
+  past = layout.past(st.cache, sid, n_prompt, start)
+  _, k, v = step_lib.forward(params, cfg, feed, start, n_append, past)
+  cache = layout.write(st.cache, jnp.where(ok, slot_ids, S), k, v, start, n_append, n_prompt)
+  M = append.shape[1]
+  rows = jnp.where(ok[:, None], sid[:, None], S)
+  cols = t[:, None] + jnp.arange(M)[None]
+  cols = jnp.where(jnp.arange(M)[None] < n_append[:, None], cols, N)  # past the appended tokens: dropped
+  put = lambda x, y: x.at[rows, cols].set(y, mode="drop")
+  row_put = lambda x, y: x.at[jnp.where(ok, sid, S)].set(y, mode="drop")
+  last = jnp.take_along_axis(append, jnp.clip(n_append - 1, 0, M - 1)[:, None], axis=1)[:, 0]
+  return st.replace(
+      cache=cache, tokens=put(st.tokens, append.astype(jnp.int32)), logprobs=put(st.logprobs, jnp.zeros(append.shape)),
+      versions=put(st.versions, jnp.broadcast_to(version, append.shape).astype(jnp.int32)),
+      sampled=put(st.sampled, jnp.zeros(append.shape, bool)), t=row_put(st.t, t + n_append),
+      limit=row_put(st.limit, limits.astype(jnp.int32)), done=row_put(st.done, jnp.zeros(sid.shape, bool)),
+      reason=row_put(st.reason, jnp.full(sid.shape, rows_lib.LENGTH, jnp.int32)),
+      last=row_put(st.last, jnp.where(n_append > 0, last, st.last[sid])), stop_ids=row_put(st.stop_ids, stop_ids))
+
+
+def recompute(params, st: SlotState, *, cfg: models.ModelConfig, layout) -> SlotState:
+  """Recomputes every slot's cached keys and values (prompt + tokens but the last) under `params`, after a
+  weight swap: tokens drawn under version v then come from exactly the policy v."""
+  S, P = st.prompt.shape
+  N = st.tokens.shape[1]
+  i = jnp.arange(P + N)[None]
+  n = st.n_prompt[:, None]
+  seq = jnp.where(i < n, jnp.take_along_axis(st.prompt, jnp.clip(i, 0, P - 1), axis=1),
+                  jnp.take_along_axis(st.tokens, jnp.clip(i - n, 0, N - 1), axis=1))
+  count = jnp.where(st.t > 0, st.n_prompt + st.t - 1, 0)
+  zero = jnp.zeros((S,), jnp.int32)
+  _, k, v = step_lib.forward(params, cfg, seq, zero, count)
+  return st.replace(cache=layout.write(st.cache, jnp.arange(S), k, v, zero, count, st.n_prompt))
+
+
+def cancel(st: SlotState, mask) -> SlotState:
+  return st.replace(done=st.done | mask)
+
+
+def gather(st: SlotState, idx) -> SlotState:
+  """Slots idx, in order (every array's leading axis is the slot's, the dense cache's included)."""
+  return jax.tree.map(lambda x: x[idx] if x.ndim else x, st)
+
+
+def grow(big: SlotState, st: SlotState) -> SlotState:
+  """st's slots into the first slots of `big` (a state with more slots); scalars from st."""
+  return jax.tree.map(lambda a, b: a.at[:b.shape[0]].set(b) if a.ndim else b, big, st)

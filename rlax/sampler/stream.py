@@ -1,0 +1,340 @@
+"""A sampling session over the engine's slots: groups are submitted at any time, decoded as slots free up, and
+returned as soon as they stop; a held row can be extended with given tokens and decode on.
+
+    stream = sampler.stream(Temperature(1.0))
+    stream.submit(prompts, samples_per_prompt=8, tags=records)
+    while stream.pending:
+      for group in stream.step():   # FinishedGroup(tag, out: a host SampleOutput of its G rows)
+        ...
+
+Multi-turn episodes submit with `hold=True`: every row comes back alone (a FinishedGroup of one row with its
+`requests` handle) and keeps its slot and cache; `extend(request, tokens, max_new_tokens=..., stop=...)`
+appends an environment's tokens (written into the row's cache over its cached prefix, never re-prefilled;
+marked not sampled) and the row decodes on; `release(request)` frees the slot.
+
+One thread drives a stream. The weights come from a source read at every step (`Sampler.weights_source`):
+a new version takes effect at the next chunk, and per-token versions record which weights drew each token.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlax.sampler import prompts as prompts_lib
+from rlax.sampler import rows as rows_lib
+from rlax.sampler.rows import SampleOutput
+from rlax.sampler.slots import MAX_STOP_IDS
+from rlax.sampler.strategies import SamplingMethod
+
+
+@dataclasses.dataclass
+class FinishedGroup:
+  """Rows of one submitted prompt that stopped: `out` a host SampleOutput (all G samples; with hold=True the
+  one row that stopped), `tag` what `submit` was given, `requests` the rows' handles for `extend` (held only)."""
+  tag: object
+  out: SampleOutput
+  requests: tuple = ()
+
+
+@dataclasses.dataclass
+class _Group:
+  tag: object
+  prompt: np.ndarray  # [P] right-padded
+  n_prompt: int
+  prompt_id: int
+  keys: np.ndarray    # [G] key data
+  limits: np.ndarray  # [G]
+  hold: bool
+  tokens: np.ndarray = None
+  logprobs: np.ndarray = None
+  versions: np.ndarray = None
+  sampled: np.ndarray = None
+  lengths: np.ndarray = None
+  reason: np.ndarray = None
+  decoding: int = 0   # rows decoding or waiting for an extension
+  admitted: int = -1  # the weight version its first tokens were drawn with
+
+  @property
+  def samples(self) -> int:
+    return len(self.limits)
+
+
+class Stream:
+  """See the module docstring. `weights() -> (params, version)` is read at every step."""
+
+  def __init__(self, engine, strategy: SamplingMethod, weights: Callable[[], tuple],
+               on_chunk: Optional[Callable[[int, int], None]] = None):
+    self.e, self.strategy, self.weights, self.on_chunk = engine, strategy, weights, on_chunk
+    self.queue: collections.deque[_Group] = collections.deque()
+    self.owner = np.full(engine.slots, -1)  # slot → row id (-1: free)
+    self._rows: dict[int, tuple[_Group, int]] = {}
+    self._parked: set[int] = set()   # held rows that stopped and keep their slot
+    self._extensions: list[tuple] = []
+    self._next_row = 0
+    self.running = 0  # groups admitted with a row decoding or waiting for an extension
+    self.st = None
+    self.version = self.weights()[1]
+    self.chunks = self.swaps = self.steps = self.slot_steps = self.finished_tokens = 0
+    self.t0 = time.perf_counter()
+
+  @property
+  def pending(self) -> int:
+    """Groups submitted and not yet returned (queued, decoding or waiting for an extension)."""
+    return len(self.queue) + self.running
+
+  @property
+  def queued(self) -> int:
+    return len(self.queue)
+
+  def submit(self, prompts, *, samples_per_prompt: int = 1, seed: int = 0, step: int = 0,
+             prompt_ids: Optional[Sequence[int]] = None, prompt_mask=None,
+             max_new_tokens: Union[int, Sequence[int], None] = None, tags: Optional[Sequence] = None,
+             hold: bool = False) -> list:
+    """Queues n prompts x G samples (row keys from (seed, step, prompt id, sample)); returns the tags (one per
+    prompt, default 0..n-1). hold: rows come back one by one and keep their slots for `extend`."""
+    e, G = self.e, int(samples_per_prompt)
+    if G < 1 or e.slots % G:
+      raise ValueError(f"samples_per_prompt={G} must be >= 1 and divide slots={e.slots}")
+    rows = prompts_lib.token_rows(prompts, prompt_mask)
+    toks, _ = prompts_lib.lay_out(rows, e.max_prompt_len, e.pad_id, left=False)
+    n = len(rows)
+    ids = prompts_lib.prompt_ids(prompt_ids, n)
+    tags = list(range(n)) if tags is None else list(tags)
+    if len(tags) != n:
+      raise ValueError(f"tags has {len(tags)} entries, expected one per prompt ({n})")
+    R, N = n * G, e.max_new_tokens
+    limits = np.asarray(N if max_new_tokens is None else max_new_tokens, np.int64)
+    if limits.ndim and limits.shape != (R,):
+      raise ValueError(f"generate: max_new_tokens has {limits.size} entries, expected one per row ({n} prompts x "
+                       f"{G} samples = {R})")
+    limits = np.broadcast_to(limits, (R,)).reshape(n, G)
+    if limits.min() < 1 or limits.max() > N:
+      raise ValueError(f"generate: max_new_tokens must lie in [1, {N}] (the engine's budget), got "
+                       f"{limits.min()}..{limits.max()}")
+    keys = np.asarray(jax.random.key_data(rows_lib.row_keys(seed, step, np.repeat(ids, G), np.tile(np.arange(G), n))))
+    keys = keys.reshape(n, G, *keys.shape[1:])
+    for i in range(n):
+      self.queue.append(_Group(tags[i], toks[i], len(rows[i]), int(ids[i]), keys[i], limits[i].copy(), hold))
+    return tags
+
+  # -- held rows -----------------------------------------------------------------------------------------------
+  def extend(self, request: int, tokens: Sequence[int], *, max_new_tokens: Optional[int] = None,
+             stop: Sequence[int] = ()) -> bool:
+    """Appends `tokens` to held row `request` (stopped) and lets it decode up to max_new_tokens more (None: the
+    rest of its slot's budget), also stopping on the `stop` tokens. Returns False, and sets the row's finish
+    reason to BUDGET, when the tokens and one new token or more do not fit the slot (nothing is truncated)."""
+    if request not in self._parked:
+      raise ValueError(f"extend: request {request} is not a held row that has stopped")
+    stop = [int(s) for s in stop]
+    if len(stop) > MAX_STOP_IDS:
+      raise ValueError(f"extend: at most {MAX_STOP_IDS} stop tokens, got {len(stop)}")
+    g, i = self._rows[request]
+    m, t, N = len(tokens), int(g.lengths[i]), self.e.max_new_tokens
+    new = N - t - m if max_new_tokens is None else int(max_new_tokens)
+    if max_new_tokens is not None and new < 1:
+      raise ValueError(f"extend: max_new_tokens={max_new_tokens} must be >= 1")
+    if new < 1 or t + m + new > N:
+      g.reason[i] = rows_lib.BUDGET
+      return False
+    self._parked.discard(request)
+    self._extensions.append((request, np.asarray(tokens, np.int32), t + m + new, stop))
+    self._decode_more(g)
+    return True
+
+  def release(self, request: int) -> None:
+    """Frees the slot of held row `request` (stopped)."""
+    if request not in self._parked:
+      raise ValueError(f"release: request {request} is not a held row that has stopped")
+    self._parked.discard(request)
+    self.owner[self.owner == request] = -1
+    del self._rows[request]
+
+  def output(self, request: int) -> SampleOutput:
+    """Held row `request` as it stands (a host SampleOutput of one row)."""
+    g, i = self._rows[request]
+    return self._output(g, [i])
+
+  def _decode_more(self, g: _Group) -> None:
+    g.decoding += 1
+    if g.decoding == 1:
+      self.running += 1
+
+  # -- one step ------------------------------------------------------------------------------------------------
+  def step(self) -> list[FinishedGroup]:
+    """Applies extensions, admits queued groups into free slots, decodes one chunk, returns what stopped."""
+    e = self.e
+    if not self.pending:
+      return []
+    with e.ctx():
+      if self.st is None:
+        self.st = e.empty()
+      self._resize()
+      params = self._newest_weights()
+      if self._extensions:
+        self._extend(params)
+      if self.queue:
+        self._admit(params)
+      if self.on_chunk is not None:
+        self.on_chunk(self.chunks, self.finished_tokens)
+        params = self._newest_weights()  # installed by on_chunk: admitted rows' token 0 keeps its version
+      self.st = e.decode(params, self.st, self.version, self.strategy)
+      self.chunks += 1
+      steps = int(self.st.steps)
+      self.steps, self.slot_steps = steps, self.slot_steps + (steps - self.steps) * len(self.owner)
+      finished = self._collect()
+      self._resize()
+    return finished
+
+  def _newest_weights(self):
+    """The source's newest params; on a version change every slot's cache is recomputed under them
+    (on_swap="recompute") and the swap counted."""
+    params, v_now = self.weights()
+    if v_now != self.version:
+      if self.e.on_swap == "recompute" and self.st is not None and np.any(self.owner >= 0):
+        self.st = self.e.recompute(params, self.st)
+      self.version, self.swaps = v_now, self.swaps + 1
+    return params
+
+  def _admit(self, params) -> None:
+    """Whole groups of the queue's head (same G) take free slots, sharing one prefill per prompt."""
+    e = self.e
+    free = np.flatnonzero(self.owner < 0)
+    G = self.queue[0].samples
+    take = 0
+    while take < len(self.queue) and self.queue[take].samples == G and (take + 1) * G <= len(free):
+      take += 1
+    if not take:
+      return
+    q = prompts_lib.bucket(take, prompts_lib.pow2_buckets(1, e.slots // G))
+    groups = [self.queue.popleft() for _ in range(take)]
+    sel = groups + [groups[0]] * (q - take)
+    toks = e.put(np.stack([g.prompt for g in sel]))
+    n_prompt = e.put(np.array([g.n_prompt for g in sel], np.int32))
+    slot_ids = np.full(q * G, len(self.owner), np.int32)  # padding: dropped
+    slot_ids[:take * G] = free[:take * G]
+    keys = jax.random.wrap_key_data(e.put(np.concatenate([g.keys for g in sel])))
+    limits = e.put(np.concatenate([g.limits for g in sel]).astype(np.int32))
+    which = e.put(np.repeat(np.arange(q), G).astype(np.int32))
+    self.st = e.admit(self.st, e.prefill(params, toks, n_prompt), toks, n_prompt, e.put(slot_ids), which, keys,
+                      limits, np.int32(self.version), self.strategy)
+    N = e.max_new_tokens
+    for j, g in enumerate(groups):
+      g.admitted = self.version
+      g.tokens, g.logprobs = np.full((G, N), e.pad_id, np.int32), np.zeros((G, N), np.float32)
+      g.versions, g.sampled = np.full((G, N), -1, np.int32), np.zeros((G, N), bool)
+      g.lengths, g.reason, g.decoding = np.zeros(G, np.int32), np.zeros(G, np.int32), G
+      for i in range(G):
+        self._rows[self._next_row] = (g, i)
+        self.owner[free[j * G + i]] = self._next_row
+        self._next_row += 1
+    self.running += take
+
+  def _extend(self, params) -> None:
+    """The queued extensions in one compiled call (rows and appended lengths in power-of-two buckets)."""
+    e, exts, self._extensions = self.e, self._extensions, []
+    A = prompts_lib.bucket(len(exts), prompts_lib.pow2_buckets(1, e.slots))
+    M = prompts_lib.bucket(max(1, max(len(x[1]) for x in exts)), prompts_lib.pow2_buckets(1, e.max_new_tokens))
+    slot_ids = np.full(A, len(self.owner), np.int32)
+    append, n_append = np.zeros((A, M), np.int32), np.zeros(A, np.int32)
+    limits, stop_ids = np.zeros(A, np.int32), np.full((A, MAX_STOP_IDS), -1, np.int32)
+    for a, (r, toks, limit, stop) in enumerate(exts):
+      slot_ids[a] = np.flatnonzero(self.owner == r)[0]
+      append[a, :len(toks)], n_append[a], limits[a] = toks, len(toks), limit
+      stop_ids[a, :len(stop)] = stop
+    self.st = e.extend(params, self.st, *map(e.put, (slot_ids, append, n_append, limits, stop_ids)), self.version)
+
+  def _resize(self) -> None:
+    """Full slots while requests wait; once none do, the rows that hold a slot move to the smallest slot bucket
+    that holds them (on a CPU a decode step costs in proportion to its slots, running or not)."""
+    e, size = self.e, len(self.owner)
+    if self.queue:
+      if size < e.slots:  # grow back: the rows keep their slots, the new ones are free
+        self.st = e.grow(self.st)
+        self.owner = np.concatenate([self.owner, np.full(e.slots - size, -1)])
+      return
+    used = np.flatnonzero(self.owner >= 0)
+    b = next((b for b in e.slot_buckets if b >= len(used)), size)
+    if e.shrink and len(used) and b < size:
+      idx = np.concatenate([used, np.flatnonzero(self.owner < 0)[:b - len(used)]])
+      self.st = e.gather(self.st, jnp.asarray(idx, np.int32))
+      self.owner = self.owner[idx]
+
+  def cancel_older(self, version: int) -> list:
+    """Stops the groups whose first tokens were drawn with weights older than `version` (too stale to be used)
+    and frees their slots; returns their tags. Queued groups start with the newest weights."""
+    stale = {}
+    for s in np.flatnonzero(self.owner >= 0):
+      g, _ = self._rows[int(self.owner[s])]
+      if g.admitted < version and g.decoding:
+        stale.setdefault(id(g), g)
+    if not stale:
+      return []
+    mask = np.zeros(len(self.owner), bool)
+    for s in np.flatnonzero(self.owner >= 0):
+      r = int(self.owner[s])
+      if id(self._rows[r][0]) in stale:
+        del self._rows[r]
+        self._parked.discard(r)
+        self.owner[s], mask[s] = -1, True
+    self._extensions = [x for x in self._extensions if x[0] in self._rows]
+    with self.e.ctx():
+      self.st = self.e.cancel(self.st, jnp.asarray(mask))
+    self.running -= len(stale)
+    for g in stale.values():
+      g.decoding = 0
+    return [g.tag for g in stale.values()]
+
+  def _collect(self) -> list[FinishedGroup]:
+    owned = self.owner >= 0
+    parked = np.isin(self.owner, list(self._parked)) if self._parked else np.zeros_like(owned)
+    fin = np.flatnonzero(np.asarray(self.st.done) & owned & ~parked)
+    if not len(fin):
+      return []
+    st = jax.device_get((self.st.tokens, self.st.logprobs, self.st.versions, self.st.sampled, self.st.t,
+                         self.st.reason))
+    tok, lp, ver, smp, t, reason = (x[fin] for x in st)
+    out = []
+    for j, s in enumerate(fin):
+      r = int(self.owner[s])
+      g, i = self._rows[r]
+      g.tokens[i], g.logprobs[i], g.versions[i], g.sampled[i] = tok[j], lp[j], ver[j], smp[j]
+      g.lengths[i], g.reason[i] = t[j], reason[j]
+      self.finished_tokens += int(t[j])
+      g.decoding -= 1
+      if not g.decoding:
+        self.running -= 1
+      if g.hold:
+        self._parked.add(r)
+        out.append(FinishedGroup(g.tag, self._output(g, [i]), (r,)))
+        continue
+      del self._rows[r]
+      self.owner[s] = -1
+      if not g.decoding:
+        out.append(FinishedGroup(g.tag, self._output(g, range(g.samples))))
+    return out
+
+  def _output(self, g: _Group, rows) -> SampleOutput:
+    rows = list(rows)
+    P, n = self.e.max_prompt_len, g.n_prompt
+    left = np.full(P, self.e.pad_id, np.int32)
+    left[P - n:] = g.prompt[:n]
+    R = len(rows)
+    return SampleOutput(tokens=g.tokens[rows], logprobs=g.logprobs[rows], lengths=g.lengths[rows],
+                        finish_reason=g.reason[rows], prompt_tokens=np.repeat(left[None], R, 0),
+                        prompt_mask=np.repeat((np.arange(P) >= P - n)[None], R, 0), versions=g.versions[rows],
+                        prompt_ids=np.full(R, g.prompt_id, np.int32), sample_ids=np.asarray(rows, np.int32),
+                        sampled=g.sampled[rows], version=int(g.versions[rows].max()))
+
+  def timings(self) -> dict:
+    """Wall time, chunks, weight swaps, decode steps and slot utilization (decoding slots over all slots of the
+    steps run; a shrunk state has fewer slots) since the stream opened."""
+    work = int(self.st.work) if self.st is not None else 0
+    return dict(total_s=time.perf_counter() - self.t0, chunks=self.chunks, swaps=self.swaps,
+                decode_steps=self.steps, slot_utilization=work / max(1, self.slot_steps))
