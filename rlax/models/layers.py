@@ -49,11 +49,16 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: Float[Array, "B T N Dh"], positions: Int[Array, "B T"], inv_freq) -> jax.Array:
-  """Rotary embedding, HF 'rotate_half' convention; computed in f32."""
+def rope(positions: Int[Array, "B T"], inv_freq) -> tuple[jax.Array, jax.Array]:
+  """(cos, sin) [B, T, 1, Dh/2] of the rotary angles, f32: computed once per forward or decode step and shared
+  by every layer (XLA:CPU would otherwise evaluate the trigonometry again in each layer's fusions)."""
   ang = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [B,T,Dh/2]
-  cos = jnp.cos(ang)[:, :, None, :]
-  sin = jnp.sin(ang)[:, :, None, :]
+  return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+
+
+def apply_rope(x: Float[Array, "B T N Dh"], cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
+  """Rotary embedding, HF 'rotate_half' convention, with the tables `rope` gives; computed in f32."""
+  cos, sin = cos_sin
   xf = x.astype(jnp.float32)
   x1, x2 = jnp.split(xf, 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -141,9 +146,9 @@ def _mlp_in(w, h):
   return jax.nn.silu(g) * u
 
 
-def block(cfg: ModelConfig, w: dict[str, Any], x: Float[Array, "B T D"], positions: Int[Array, "B T"],
-          inv_freq, attend: Attend, q_start: int = 0) -> Float[Array, "B Tq D"]:
-  """One pre-norm block: x + attention, then + SwiGLU MLP.
+def block(cfg: ModelConfig, w: dict[str, Any], x: Float[Array, "B T D"], cos_sin: tuple[jax.Array, jax.Array],
+          attend: Attend, q_start: int = 0) -> Float[Array, "B Tq D"]:
+  """One pre-norm block: x + attention, then + SwiGLU MLP. cos_sin: `rope(positions, inv_freq)` of all T positions.
 
   RoPE'd q (positions q_start..), k and v (all positions) go to `attend`, which
   returns the attention output; it may also write k, v into a cache and attend
@@ -157,8 +162,9 @@ def block(cfg: ModelConfig, w: dict[str, Any], x: Float[Array, "B T D"], positio
   if cfg.qk_norm:
     q = rms_norm(q, w["q_norm"], cfg.norm_eps)
     k = rms_norm(k, w["k_norm"], cfg.norm_eps)
-  q = constrain(apply_rope(q, positions[:, q_start:], inv_freq), ("batch", "act_seq", "act_heads", None))
-  k = apply_rope(k, positions, inv_freq)
+  q_rope = (cos_sin[0][:, q_start:], cos_sin[1][:, q_start:]) if q_start else cos_sin
+  q = constrain(apply_rope(q, q_rope), ("batch", "act_seq", "act_heads", None))
+  k = apply_rope(k, cos_sin)
   x = x[:, q_start:] + dense(attend(q, k, v), w["o"], n_in=2)
   x = constrain(x, ("batch", "act_seq", "act_embed"))
   h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)

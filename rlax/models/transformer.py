@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from rlax.models.config import ModelConfig
-from rlax.models.layers import attention, block, rms_norm, rope_inv_freq
+from rlax.models.layers import attention, block, rms_norm, rope, rope_inv_freq
 from rlax.models.sharding import constrain
 
 Params = dict[str, Any]
@@ -161,7 +161,7 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: Int[Array, "B T"], *
     # Position = number of valid tokens before this one (cached ones included).
     seen = 0 if cache is None else jnp.sum(cache.valid, axis=1, keepdims=True)
     positions = jnp.maximum(seen + jnp.cumsum(input_mask, axis=1) - 1, 0).astype(jnp.int32)
-  inv_freq = rope_inv_freq(cfg)
+  cos_sin = rope(positions, rope_inv_freq(cfg))
   x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.jnp_dtype)
   x = constrain(x, ("batch", "act_seq", "act_embed"))
 
@@ -171,7 +171,7 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: Int[Array, "B T"], *
 
     def body(x, lp, extra, l, q_start=0):
       attend = lambda q, k, v: attention(q, k, v, mask[:, q_start:])
-      return block(cfg, lp, x, positions, inv_freq, attend, q_start), extra
+      return block(cfg, lp, x, cos_sin, attend, q_start), extra
 
     last = functools.partial(body, q_start=start) if start else None
     x, _ = _run_layers(cfg, params, x, body, (), last)
@@ -193,7 +193,7 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: Int[Array, "B T"], *
         cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], (l, z, idx, z, z))
         return attention(q, ck[l].astype(cfg.jnp_dtype), cv[l].astype(cfg.jnp_dtype), mask)
 
-      x = block(cfg, lp, x, positions, inv_freq, attend)
+      x = block(cfg, lp, x, cos_sin, attend)
       return x, (ck, cv)
 
     x, (ck, cv) = _run_layers(cfg, params, x, body, (cache.k, cache.v))

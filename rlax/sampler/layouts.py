@@ -7,8 +7,8 @@ slot's whole sequence (`past`: the attention of an extension), and in a decode s
 and value at its index and attends over indices <= it (`attend`).
 
 - `Dense`: per slot a prompt part (indices < n_prompt, in max_prompt_len columns) and the generated part
-  split into segments ending at 64, 128, 256, ... (`segments`). Keys are stored transposed ([.., Dh, n]) so
-  both attention contractions reduce over a non-minor axis, which XLA:CPU vectorizes along the contiguous one.
+  split into segments ending at 32, 64, 128, ... (`segments`). Keys are stored transposed ([.., Dh, n]): the
+  score contraction is then a plain matmul per row and head, which XLA:CPU runs fastest.
   Every slot attends over the prompt and the first segment; a later segment only for the rows that reach it,
   in blocks of rows (`_ragged`), so a step costs what the rows' own lengths need. A decode loop attends over
   the segments the furthest running row has reached (`reach`). The slot axis leads every array, so slots can
@@ -38,15 +38,17 @@ from rlax.models import layers
 from rlax.sampler import paged
 
 BLOCK = 8  # rows per block of the ragged attention over the later segments
+RAGGED_FROM = 64  # segments from this generated index on are attended only by the rows that reach them
 
 
 def segments(n_new: int) -> tuple[tuple[int, int], ...]:
-  """Generated segments ending at 64, 128, 256, ... (the last one at least 64 long)."""
-  ends = [64]
+  """Generated segments ending at 32, 64, 128, 256, ... (the last one at least 32 long): narrower ones make
+  XLA:CPU's reductions slower (a short minor axis)."""
+  ends = [32]
   while ends[-1] < n_new:
     ends.append(ends[-1] * 2)
   ends[-1] = n_new
-  if len(ends) > 1 and ends[-1] - ends[-2] < 64:
+  if len(ends) > 1 and ends[-1] - ends[-2] < 32:
     ends.pop(-2)
   return tuple(zip([0] + ends[:-1], ends))
 
@@ -63,11 +65,32 @@ class DenseCache:
 def _partial(qf, k, v, ok):
   """Attention of qf [R, K, Gh, Dh] (scaled, f32) over k [R, K, Dh, n] / v [R, K, n, Dh] where ok [R, n],
   unnormalized: (running max m, sum l [R, K, Gh], weighted values o [R, K, Gh, Dh]); nothing valid: l = o = 0."""
-  s = jnp.sum(qf[..., None] * k.astype(jnp.float32)[:, :, None], axis=3)  # [R, K, Gh, n]
+  s = jnp.einsum("rkgd,rkdn->rkgn", qf, k.astype(jnp.float32))
   ok = ok[:, None, None, :]
   m = jnp.max(jnp.where(ok, s, layers.NEG), axis=-1)
   p = jnp.where(ok, jnp.exp(s - m[..., None]), 0.0)
-  return m, jnp.sum(p, axis=-1), jnp.sum(p.astype(v.dtype)[..., None] * v[:, :, None], axis=3).astype(jnp.float32)
+  return m, jnp.sum(p, axis=-1), jnp.einsum("rkgn,rknd->rkgd", p.astype(v.dtype), v).astype(jnp.float32)
+
+
+def _first(qf, ks, vs, n_prompt, g):
+  """Partial attention (as `_partial`) of every row over the prompt part (ks[0] / vs[0], columns < n_prompt) and
+  the first generated segments (ks[1:], generated indices <= g): one softmax over their concatenated scores (few
+  small ops: on XLA:CPU each costs a dispatch), then one contraction per part."""
+  s = [jnp.einsum("rkgd,rkdn->rkgn", qf, k.astype(jnp.float32)) for k in ks]
+  ok = [jnp.arange(ks[0].shape[-1])[None] < n_prompt[:, None]]
+  a = 0
+  for k in ks[1:]:
+    ok.append((a + jnp.arange(k.shape[-1]))[None] <= g[:, None])
+    a += k.shape[-1]
+  s = jnp.where(jnp.concatenate(ok, axis=1)[:, None, None], jnp.concatenate(s, axis=-1), layers.NEG)
+  m = jnp.max(s, axis=-1)
+  p = jnp.exp(s - m[..., None])
+  o, off = 0.0, 0
+  for v in vs:
+    n = v.shape[2]
+    o = o + jnp.einsum("rkgn,rknd->rkgd", p[..., off:off + n].astype(v.dtype), v).astype(jnp.float32)
+    off += n
+  return m, jnp.sum(p, axis=-1), o
 
 
 def _merge(a, b):
@@ -177,14 +200,16 @@ class Dense:
       gk[i] = gk[i].at[rows, :, :, at].set(k.astype(dt), mode="drop")
       gv[i] = gv[i].at[rows, :, at, :].set(v.astype(dt), mode="drop")
     qf = q.reshape(S, K, H // K, Dh).astype(jnp.float32) / math.sqrt(Dh)
-    prompt_ok = jnp.arange(self.prompt_len)[None] < n_prompt[:, None]
-    out = _partial(qf, cache.pk[layer], cache.pv[layer], prompt_ok)
-    out = _merge(out, _partial(qf, gk[0], gv[0], jnp.arange(gk[0].shape[-1])[None] <= g[:, None]))
-    if reach > 1:
-      order = jnp.argsort(jnp.where(live, -g, 1))  # furthest rows first; idle slots last
-      order = jnp.concatenate([order, order[:(-S) % min(BLOCK, S)]])  # whole blocks
-      for i in range(1, reach):
-        out = _merge(out, _ragged(qf, gk[i], gv[i], g, live, segs[i][0], order))
+    out = _first(qf, [cache.pk[layer]] + [gk[i] for i, (a, _) in enumerate(segs) if a < RAGGED_FROM],
+                 [cache.pv[layer]] + [gv[i] for i, (a, _) in enumerate(segs) if a < RAGGED_FROM], n_prompt, g)
+    order = None
+    for i, (a, _) in enumerate(segs):
+      if a < RAGGED_FROM:
+        continue
+      if order is None:
+        order = jnp.argsort(jnp.where(live, -g, 1))  # furthest rows first; idle slots last
+        order = jnp.concatenate([order, order[:(-S) % min(BLOCK, S)]])  # whole blocks
+      out = _merge(out, _ragged(qf, gk[i], gv[i], g, live, a, order))
     o = out[2] / jnp.maximum(out[1], 1e-30)[..., None]
     cache = cache.replace(gk=_set(cache.gk, layer, tuple(gk)), gv=_set(cache.gv, layer, tuple(gv)))
     return o.astype(q.dtype).reshape(S, H, Dh), cache

@@ -56,7 +56,7 @@ def forward(params: models.Params, cfg: models.ModelConfig, tokens: Int[Array, "
   mask = jnp.tril(jnp.ones((T, T), bool))[None] & new_ok[:, None, :]  # [A, T, T]
   if past is not None:
     mask = jnp.concatenate([jnp.broadcast_to(past[2][:, None, :], (A, T, past[2].shape[1])), mask], axis=2)
-  inv_freq = layers.rope_inv_freq(cfg)
+  cos_sin = layers.rope(positions, layers.rope_inv_freq(cfg))
   x = models.constrain(jnp.take(params["embed"], tokens, axis=0).astype(dt), ("batch", "act_seq", "act_embed"))
 
   def body(x, w, carry, l):
@@ -70,7 +70,7 @@ def forward(params: models.Params, cfg: models.ModelConfig, tokens: Int[Array, "
         k, v = jnp.concatenate([pk, k], axis=1), jnp.concatenate([pv, v], axis=1)
       return layers.attention(q, k, v, mask)
 
-    x = layers.block(cfg, w, x, positions, inv_freq, attend)
+    x = layers.block(cfg, w, x, cos_sin, attend)
     return x, carry, (kv[0], kv[1])
 
   x, _, (ks, vs) = _layers(cfg, params["layers"], x, (), body, cfg.scan_layers and past is None)
@@ -87,7 +87,7 @@ def decode_step(fused: dict, cfg: models.ModelConfig, layout, cache, tok: Int[Ar
   Returns f32 logits [S, V] for each slot's next token and the updated cache.
   """
   dt = cfg.jnp_dtype
-  inv_freq = layers.rope_inv_freq(cfg)
+  cos_sin = layers.rope(pos[:, None], layers.rope_inv_freq(cfg))
   x = models.constrain(jnp.take(fused["embed"], tok, axis=0).astype(dt)[:, None], ("batch", "act_seq", "act_embed"))
 
   def body(x, w, cache, l):
@@ -97,7 +97,7 @@ def decode_step(fused: dict, cfg: models.ModelConfig, layout, cache, tok: Int[Ar
                                reach=reach)
       return o[:, None]
 
-    x = layers.block(cfg, w, x, pos[:, None], inv_freq, attend)
+    x = layers.block(cfg, w, x, cos_sin, attend)
     return x, cache, None
 
   x, cache, _ = _layers(cfg, fused["layers"], x, cache, body, layout.scans and cfg.scan_layers)

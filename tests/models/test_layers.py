@@ -33,7 +33,7 @@ def test_fused_weights_equal_unfused(name, q_start):
   pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
   mask = jnp.tril(jnp.ones((7, 7), bool))[None, q_start:]
   attend = lambda q, k, v: layers.attention(q, k, v, mask)
-  run = jax.jit(lambda w: layers.block(cfg, w, x, pos, layers.rope_inv_freq(cfg), attend, q_start))
+  run = jax.jit(lambda w: layers.block(cfg, w, x, layers.rope(pos, layers.rope_inv_freq(cfg)), attend, q_start))
   plain, fused = run(lp), run(layers.fuse(cfg, lp))
   assert plain.shape == (2, 7 - q_start, cfg.d_model)
   np.testing.assert_allclose(fused, plain, atol=1e-5)

@@ -74,9 +74,9 @@ def test_per_request_limits_free_slots_for_queued_requests():
 
 
 def test_long_rows_attend_over_later_segments_only_where_they_reach():
-  """A 200-token budget splits the generated cache into segments (0-64, 64-128, 128-200): rows past the first
+  """A 200-token budget splits the generated cache into segments (0-32, 32-64, 64-128, 128-200): rows past the first
   segment attend over the later ones in blocks, the others skip them; all match the full forward."""
-  assert layouts.segments(200) == ((0, 64), (64, 128), (128, 200))
+  assert layouts.segments(200) == ((0, 32), (32, 64), (64, 128), (128, 200))
   cs = make(slots=4, max_new_tokens=200, decode_chunk=16)
   limits = np.asarray([150, 3, 70, 200, 10, 130, 65, 2])
   out = cs.generate(PROMPTS, samples_per_prompt=2, strategy=S.Temperature(1.0), seed=4, max_new_tokens=limits)
