@@ -64,12 +64,13 @@ class DenseCache:
 
 def _partial(qf, k, v, ok):
   """Attention of qf [R, K, Gh, Dh] (scaled, f32) over k [R, K, Dh, n] / v [R, K, n, Dh] where ok [R, n],
-  unnormalized: (running max m, sum l [R, K, Gh], weighted values o [R, K, Gh, Dh]); nothing valid: l = o = 0."""
-  s = jnp.einsum("rkgd,rkdn->rkgn", qf, k.astype(jnp.float32))
+  unnormalized: (running max m, sum l [R, K, Gh], weighted values o [R, K, Gh, Dh]); nothing valid: l = o = 0.
+  Multiply-and-reduce: on a block of a few rows XLA:CPU runs it faster than a batched matmul."""
+  s = jnp.sum(qf[..., None] * k.astype(jnp.float32)[:, :, None], axis=3)  # [R, K, Gh, n]
   ok = ok[:, None, None, :]
   m = jnp.max(jnp.where(ok, s, layers.NEG), axis=-1)
   p = jnp.where(ok, jnp.exp(s - m[..., None]), 0.0)
-  return m, jnp.sum(p, axis=-1), jnp.einsum("rkgn,rknd->rkgd", p.astype(v.dtype), v).astype(jnp.float32)
+  return m, jnp.sum(p, axis=-1), jnp.sum(p.astype(v.dtype)[..., None] * v[:, :, None], axis=3).astype(jnp.float32)
 
 
 def _first(qf, ks, vs, n_prompt, g):
