@@ -44,7 +44,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       top_p=1.0,
       decode_chunk=16,           # decode steps between admissions (and weight swaps)
       inflight_updates=False,    # swap in the newest weights between chunks, not only between batches
-      slots=0,                   # decode slots (0: the batch's rows; -1: as many as free memory holds)
+      slots=0,                   # decode slots (0: the batch's rows; -1: as many as the free memory holds)
       stream_ahead=-1,           # prompts in flight for the next batch (-1: prompts_per_step)
       on_swap="recompute",       # unfinished rows' KV cache under new weights, or "keep" it
   ))

@@ -128,18 +128,20 @@ def sft_trainer(run: RunConfig, mesh) -> Trainer:
                  group_size=1)
 
 
-def slots(run: RunConfig, mesh, budget: Optional[int] = None) -> int:
+def slots(run: RunConfig, mesh, budget: Optional[int] = None, platform: Optional[str] = None) -> int:
   """The sampler's decode slots: rollout.slots, the batch's rows in whole groups (0), or with -1 as many as the
-  per-device budget holds (default: the sampler devices' own), up to this batch and the next one's prompts in
-  flight. The memory estimate sizes them by the same call."""
+  per-device budget holds (default: the free memory of the sampler's first device), up to this batch and the
+  next one's prompts in flight. The memory estimate sizes them by the same call; platform: the devices' (default:
+  the mesh's, else the default backend's), which picks the cache layout."""
   r = run.rollout
   n = r.decode_slots(run.eval.n_samples)
   if r.slots != -1:
     return n
-  lay = make_layout(run.model, "auto", r.max_prompt_len, r.max_new_tokens)
+  device = mesh.devices.flat[0] if isinstance(mesh, jax.sharding.Mesh) else jax.devices()[0]
+  lay = make_layout(run.model, "auto", r.max_prompt_len, r.max_new_tokens, platform=platform or device.platform)
   unit = sizing.row_unit(mesh, r.samples_per_prompt, run.eval.n_samples, n)
   if budget is None:
-    budget = sizing.device_budget(mesh.devices.flat[0] if isinstance(mesh, jax.sharding.Mesh) else jax.devices()[0])
+    budget = sizing.device_budget(device, free=True)
   return sizing.slots_that_fit(run.model, lay, r.max_prompt_len + r.max_new_tokens, unit=unit,
                                cap=r.rows + r.ahead * r.samples_per_prompt, budget=budget, mesh=mesh)
 
@@ -192,7 +194,8 @@ def weights_service(run: RunConfig, topology: Topology, channel: Optional[Channe
     transport = CrossProcessTransport(topology.trainer_mesh, topology.sampler_mesh, shardings, weights_dtype(run),
                                       shapes, channel)
   k, faults = run.controller.max_staleness, run.faults
-  history = k if run.deterministic and k and (faults.lose_slice_at or faults.restore_slice_at) else 0
+  # Batch `first` after a rebuild needs versions first - k .. step: k + 1 of them.
+  history = k + 1 if run.deterministic and k and (faults.lose_slice_at or faults.restore_slice_at) else 0
   # Deterministic mode hands batch s exactly version s - k: keep the k + 1 newest.
   service = WeightsService(transport, keep=k + 1 if run.deterministic else 1, history=history)
   if history_from is not None:

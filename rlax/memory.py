@@ -201,7 +201,7 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   cfg, r = run.model, run.rollout
   dt = cfg.jnp_dtype
   S = r.max_prompt_len + r.max_new_tokens
-  B = builders.slots(run, mesh, budget)  # the runtime's own sizing (rollout.slots=-1: what the budget holds)
+  B = builders.slots(run, mesh, budget, platform)  # the runtime's own sizing (rollout.slots=-1: what fits)
   layout = make_layout(cfg, "auto", r.max_prompt_len, r.max_new_tokens, platform=platform)
   mem = sizing.sampler_memory(cfg, layout, B, S, mesh)
   b = B // shd.row_shards(mesh, B)  # rows per device

@@ -153,7 +153,8 @@ def test_check_refuses_in_one_line_naming_the_knob():
   assert "model.overrides.remat=True and model.overrides.scan_layers=True" in knob
   assert "set optimizer.micro_batch_tokens" in knob
   # With remat and scan on and micro-batches set, what is left is the micro-batch size and the sequence.
-  run = _run(model=dict(remat=True, scan_layers=True), optimizer=dict(micro_batch_tokens=512))
+  run = _run(model=dict(remat=True, scan_layers=True), optimizer=dict(micro_batch_tokens=4096),
+             rollout=dict(max_new_tokens=1024))
   with pytest.raises(ValueError) as e:
     memory.check(memory.estimate(run, 1, 1), 2 ** 20, GIB, run=run)
   assert line.match(str(e.value)).group(1) == "lower optimizer.micro_batch_tokens or shorten rollout.max_new_tokens"

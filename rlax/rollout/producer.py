@@ -43,7 +43,7 @@ class _Done:
 class RolloutProducer:
   """Generates batches [first, end) into `sink(rollout)`; `start()` runs it in a thread.
 
-  `weights`: the WeightsService the sampler subscribes to; `data`: a RecordIterator; `grade(reward_fn,
+  `weights`: the WeightsService the sampler reads; `data`: a RecordIterator; `grade(reward_fn,
   texts, records)`: the verifier pool's grading; `ensure_alive(mesh)`: raises when the sampler's
   slices are lost (failover). `rollout` is the run's RolloutConfig; `max_staleness` k.
   """
@@ -188,7 +188,7 @@ class RolloutProducer:
         break
       # In flight: what this batch still needs, plus the next batch's share when the weights can serve it
       # (otherwise a prompt past this batch's need could only finish too stale).
-      ahead = self.r.ahead if self._current[1] >= s + 1 - self.k else 0
+      ahead = self.r.ahead if self._source()[1] >= s + 1 - self.k else 0  # the weights the next chunk uses
       want = P - have + ahead - stream.pending
       if buf is not None:
         want = min(want, MAX_ROUNDS * P - drawn)

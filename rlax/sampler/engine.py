@@ -71,7 +71,7 @@ class Sampler:
   decode_chunk: decode steps between admissions (and weight swaps). on_swap: "recompute" or "keep". shrink:
   once no request waits, decode the running rows on fewer slots (dense layout only: the paged pool is not laid
   out by slot). eos_id (int, ints or None) and stop_sequences end a row. weights: the WeightsService streams
-  read by default (params=... publishes version `version` to a service of the engine's own).
+  read by default (its own, made empty; params=... publishes version `version` to it).
   """
 
   def __init__(self, cfg: models.ModelConfig, mesh: Optional[Mesh] = None, *, max_prompt_len: int,
@@ -126,7 +126,7 @@ class Sampler:
     self._empty_fns: dict[int, Callable] = {}
     # Slot buckets for the tail: slots, slots/2, ... (a decode program each), down to one whole shard row.
     self.slot_buckets = [b for b in (slots >> i for i in range(8)) if b and b % shards == 0][::-1]
-    self.weights = weights
+    self.weights = weights if weights is not None else WeightsService()
     if params is not None:
       self.update_weights(params, version)
 
@@ -157,15 +157,13 @@ class Sampler:
   # -- weights ---------------------------------------------------------------------------------------------------
   def update_weights(self, params: models.Params, version: int) -> None:
     """Validates `params`, puts them on the sampler's shardings in the compute dtype, and publishes them as
-    `version` to the engine's WeightsService (made on first use). Thread-safe."""
-    if self.weights is None:
-      self.weights = WeightsService(None)
+    `version` (newer than any before) to the engine's WeightsService. Thread-safe."""
     self.weights.publish(self.placer(params), int(version))
 
   @property
   def version(self) -> Optional[int]:
     """The newest version of the engine's WeightsService (None before any)."""
-    return None if self.weights is None or self.weights.version < 0 else self.weights.version
+    return None if self.weights.version < 0 else self.weights.version
 
   def weights_source(self, weights=None) -> Callable[[], tuple]:
     """A () -> (params, version) for a stream: `weights` as given (a WeightsService, such a callable, or one

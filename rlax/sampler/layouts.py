@@ -305,11 +305,3 @@ class Paged:
     o, kp, vp = local(q, k, v, cache.k, cache.v, cache.page_table, pos, live, jnp.asarray(layer, jnp.int32))
     return o, cache.replace(k=kp, v=vp)
 
-
-def kv_bytes(cfg: models.ModelConfig, layout, slots: int, mesh: Optional[Mesh] = None) -> int:
-  """Per-device bytes of `layout`'s cache for `slots` slots on `mesh` (from its shapes and shardings)."""
-  shapes = jax.eval_shape(lambda: layout.init(cfg, slots))
-  if mesh is None:
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-  return sum(int(np.prod(sh.shard_shape(x.shape))) * x.dtype.itemsize
-             for x, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(layout.shardings(cfg, mesh, slots))))

@@ -75,7 +75,7 @@ def _size(mesh_shape: dict[str, int], axes) -> int:
 
 def slot_shards(mesh, slots: int, kv_heads: int) -> int:
   """How many shards the slots (and the pool's pages) split into on `mesh` (concrete or abstract; None or a
-  one-device mesh: 1), as `decode_step` splits them under shard_map."""
+  one-device mesh: 1), as `layouts.Paged.attend` splits them under shard_map."""
   if mesh is None or mesh.empty or mesh.size == 1:
     return 1
   mshape = dict(mesh.shape)

@@ -1,7 +1,7 @@
 """The weights as the sampler uses them: in the compute dtype (`cfg.dtype`) on the sampler mesh's shardings,
 and fused for decoding.
 
-The parameter server casts on the trainer side (fewer bytes cross) and delivers exactly this layout;
+The weights service's reshard casts on the trainer side (fewer bytes cross) and delivers exactly this layout;
 `Placer` makes it from anything else a user hands over (float32 params, another mesh). The sampler holds no
 weights itself: it reads them from its `WeightsService`.
 """

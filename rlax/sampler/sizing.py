@@ -91,7 +91,7 @@ def slots_that_fit(cfg: models.ModelConfig, layout, length: int, *, unit: int, c
   if n < 1:
     raise ValueError(
         f"sampler: one group of {unit} slots x {length} tokens needs {per_unit + one['params']:,} bytes per device "
-        f"(KV cache and recompute {per_unit:,}, params {one['params']:,}) but {budget:,} are free; shorten "
+        f"(KV cache and recompute {per_unit:,}, params {one['params']:,}) but the budget is {budget:,}; shorten "
         "rollout.max_new_tokens or add devices")
   return int(min(n * unit, max(unit, cap // unit * unit)))
 

@@ -58,7 +58,8 @@ class _Group:
   sampled: np.ndarray = None
   lengths: np.ndarray = None
   reason: np.ndarray = None
-  decoding: int = 0   # rows decoding or waiting for an extension
+  decoding: int = 0   # rows decoding, or extended and not yet decoding
+  counted: np.ndarray = None  # [G] tokens of each row already counted in finished_tokens
   admitted: int = -1  # the weight version its first tokens were drawn with
 
   @property
@@ -78,7 +79,7 @@ class Stream:
     self._parked: set[int] = set()   # held rows that stopped and keep their slot
     self._extensions: list[tuple] = []
     self._next_row = 0
-    self.running = 0  # groups admitted with a row decoding or waiting for an extension
+    self.running = 0  # groups admitted with a row decoding (or extended, not yet applied)
     self.st = None
     self.version = self.weights()[1]
     self.chunks = self.swaps = self.steps = self.slot_steps = self.finished_tokens = 0
@@ -86,7 +87,8 @@ class Stream:
 
   @property
   def pending(self) -> int:
-    """Groups submitted and not yet returned (queued, decoding or waiting for an extension)."""
+    """Groups submitted and not yet returned: queued, or with a row decoding or an extension not yet applied
+    (a held group whose rows have all stopped is not pending)."""
     return len(self.queue) + self.running
 
   @property
@@ -129,9 +131,15 @@ class Stream:
              stop: Sequence[int] = ()) -> bool:
     """Appends `tokens` to held row `request` (stopped) and lets it decode up to max_new_tokens more (None: the
     rest of its slot's budget), also stopping on the `stop` tokens. Returns False, and sets the row's finish
-    reason to BUDGET, when the tokens and one new token or more do not fit the slot (nothing is truncated)."""
+    reason to BUDGET, when the tokens and the new tokens asked for (with None: at least one) do not fit the
+    slot; nothing is truncated."""
     if request not in self._parked:
       raise ValueError(f"extend: request {request} is not a held row that has stopped")
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+      raise ValueError(f"extend: tokens must be a 1-D sequence of token ids, got shape {arr.shape} {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= self.e.cfg.vocab_size):
+      raise ValueError(f"extend: token ids must lie in [0, {self.e.cfg.vocab_size}), got {arr.min()}..{arr.max()}")
     stop = [int(s) for s in stop]
     if len(stop) > MAX_STOP_IDS:
       raise ValueError(f"extend: at most {MAX_STOP_IDS} stop tokens, got {len(stop)}")
@@ -144,7 +152,7 @@ class Stream:
       g.reason[i] = rows_lib.BUDGET
       return False
     self._parked.discard(request)
-    self._extensions.append((request, np.asarray(tokens, np.int32), t + m + new, stop))
+    self._extensions.append((request, arr.astype(np.int32), t + m + new, stop))
     self._decode_more(g)
     return True
 
@@ -181,6 +189,9 @@ class Stream:
         self._extend(params)
       if self.queue:
         self._admit(params)
+        if not self.running and not np.any(self.owner < 0):
+          raise ValueError(f"stream: every one of the {len(self.owner)} slots is held by a stopped row and "
+                           f"{len(self.queue)} group(s) wait; extend or release the held rows")
       if self.on_chunk is not None:
         self.on_chunk(self.chunks, self.finished_tokens)
         params = self._newest_weights()  # installed by on_chunk: admitted rows' token 0 keeps its version
@@ -229,7 +240,7 @@ class Stream:
       g.admitted = self.version
       g.tokens, g.logprobs = np.full((G, N), e.pad_id, np.int32), np.zeros((G, N), np.float32)
       g.versions, g.sampled = np.full((G, N), -1, np.int32), np.zeros((G, N), bool)
-      g.lengths, g.reason, g.decoding = np.zeros(G, np.int32), np.zeros(G, np.int32), G
+      g.lengths, g.reason, g.decoding, g.counted = np.zeros(G, np.int32), np.zeros(G, np.int32), G, np.zeros(G, int)
       for i in range(G):
         self._rows[self._next_row] = (g, i)
         self.owner[free[j * G + i]] = self._next_row
@@ -306,7 +317,8 @@ class Stream:
       g, i = self._rows[r]
       g.tokens[i], g.logprobs[i], g.versions[i], g.sampled[i] = tok[j], lp[j], ver[j], smp[j]
       g.lengths[i], g.reason[i] = t[j], reason[j]
-      self.finished_tokens += int(t[j])
+      self.finished_tokens += int(t[j]) - int(g.counted[i])  # a held row's earlier turns were counted already
+      g.counted[i] = int(t[j])
       g.decoding -= 1
       if not g.decoding:
         self.running -= 1

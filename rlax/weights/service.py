@@ -1,10 +1,10 @@
-"""The one owner of weight versions: atomic publish, one wait, a subscription for in-flight swaps, and the
-trainer-side history a rebuilt sampler needs.
+"""The one owner of weight versions: atomic publish, one wait, and the trainer-side history a rebuilt sampler
+needs.
 
 The trainer calls `push(params, version)`; the transport moves the weights onto the sampler's shardings and,
 in a process that holds sampler devices, the service publishes them. Samplers read `latest()`, `wait_for(v)`
 (block until version >= v; in deterministic mode exactly v, which is why the service keeps the last `keep`
-versions), or `subscribe(fn)` to be called at every publish. With `history` > 0 the service also keeps
+versions). With `history` > 0 the service also keeps
 trainer-side copies of the last `history` pushed versions: after a sampler slice is lost, the new service
 (`adopt_history`) can push exactly the versions its batches need again (`replay`). In a multi-process job the
 sampler process runs `serve()`, which receives every push from the trainer process and publishes it.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import jax
 
@@ -35,7 +35,6 @@ class WeightsService:
     self._history: collections.OrderedDict[int, Any] = collections.OrderedDict()
     self._cv = threading.Condition()
     self._closed = False
-    self._subscribers: list[Callable[[Any, int], None]] = []
     self.pushed = -1  # the newest version this process pushed (trainer side)
 
   # -- trainer side ----------------------------------------------------------------------------------------
@@ -85,21 +84,20 @@ class WeightsService:
 
   # -- sampler side ----------------------------------------------------------------------------------------
   def publish(self, params: Any, version: int) -> None:
-    """Makes `version` the newest: one step under the lock, so readers see old or new, never a mix."""
+    """Makes `version` the newest: check and insert in one step under the lock, so readers see old or new,
+    never a mix, and concurrent publishers cannot insert out of order."""
     with self._cv:
       if self._versions and version <= next(reversed(self._versions)):
-        raise ValueError(f"publish version {version} is not newer than {next(reversed(self._versions))}")
-    self._publish(params, version)
+        raise ValueError(f"weights version {version} is not newer than the newest published, "
+                         f"{next(reversed(self._versions))}")
+      self._publish(params, version)
 
   def _publish(self, params: Any, version: int) -> None:
-    with self._cv:
+    with self._cv:  # re-entrant: publish holds it already
       self._versions[version] = params
       while len(self._versions) > self.keep:
         self._versions.popitem(last=False)
-      subscribers = list(self._subscribers)
       self._cv.notify_all()
-    for fn in subscribers:
-      fn(params, version)
 
   @property
   def version(self) -> int:
@@ -136,12 +134,6 @@ class WeightsService:
       else:
         v = next(reversed(self._versions))
       return self._versions[v], v, time.perf_counter() - t0
-
-  def subscribe(self, fn: Callable[[Any, int], None]) -> Callable[[], None]:
-    """Calls fn(params, version) after every publish (e.g. an in-flight swap); returns the unsubscribe."""
-    with self._cv:
-      self._subscribers.append(fn)
-    return lambda: self._subscribers.remove(fn) if fn in self._subscribers else None
 
   def serve(self) -> None:
     """Multi-process sampler side: publish every version the trainer process pushes, until it ends."""

@@ -154,6 +154,24 @@ def test_a_row_past_its_budget_is_refused_never_truncated():
     stream.extend(12345, [1])
   with pytest.raises(ValueError, match="max_new_tokens=0 must be >= 1"):
     stream.extend(req, [1], max_new_tokens=0)
+  with pytest.raises(ValueError, match="1-D sequence of token ids"):
+    stream.extend(req, [[1, 2]])
+  with pytest.raises(ValueError, match=r"token ids must lie in \[0, 64\)"):
+    stream.extend(req, [1, 64])
+
+
+def test_held_rows_filling_every_slot_are_named_when_groups_wait():
+  cs = make(slots=2)
+  stream = cs.stream(S.Greedy())
+  stream.submit(PROMPTS[:2], max_new_tokens=2, hold=True)
+  stream.submit(PROMPTS[2:3], max_new_tokens=2)
+  held = stream.step()  # both rows stop within the first chunk and keep their slots
+  assert len(held) == 2 and stream.queued == 1
+  with pytest.raises(ValueError, match="every one of the 2 slots is held by a stopped row and 1 group"):
+    stream.step()
+  stream.release(held[0].requests[0])
+  (g,) = [g for _ in range(3) for g in stream.step()]
+  assert g.tag == 0 and not g.requests and int(g.out.lengths[0]) == 2
 
 
 def test_stop_tokens_of_an_extension_end_the_turn():
