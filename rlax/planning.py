@@ -3,18 +3,14 @@
     plan = make_plan(config)          # config: configs/paper_qwq32b.py's get_config()
     print(format_table(plan))
 
-The devices come from `jax.experimental.topologies.get_topology_desc(c.plan.topology, "tpu",
-num_slices=...)` (needs the `tpu` extra: jax[tpu] / libtpu; no TPU attached), or from the local backend
-when `c.plan.topology` is "local" (tests use 8 fake CPU devices). Either way they go through the same
-`build_topology` the runtime uses, and the same objects build the programs through their public lowerings
-only (`Trainer.abstract_state` / `abstract_batch` / `lower_step`, `Sampler.abstract_state` / `lower_admit` /
-`lower_decode`, `CrossMeshPush.lowered`), so the plan cannot drift from the runtime's layouts: on TPU the
-sampler's decode chunk is the paged layout's (jax's Pallas paged-attention kernel where it compiles), exactly
-what a run decodes with. `c.plan.programs` restricts the plan to some programs. Each program
-is lowered with ShapeDtypeStructs carrying its mesh's shardings and compiled; `memory_analysis()` gives per-chip
-bytes and `cost_analysis()` per-chip FLOPs and bytes accessed. Times are a roofline estimate,
-max(flops / peak, bytes / HBM bandwidth), i.e. perfect overlap and full MXU use: a lower bound.
-The weight push time is a bandwidth model (bytes per chip over ICI/DCN bandwidth), not a measurement.
+Devices: `jax.experimental.topologies.get_topology_desc(c.plan.topology, "tpu", num_slices=...)` (the `tpu`
+extra; no TPU attached), or the local backend's for "local" (tests: 8 fake CPU devices), through the runtime's
+own `build_topology`. Programs are built through public lowerings only (`Trainer.abstract_state` /
+`abstract_batch` / `lower_step`, `Sampler.abstract_state` / `lower_admit` / `lower_decode`,
+`CrossMeshPush.lowered`), so the plan cannot drift from what runs (on TPU the decode chunk is the paged
+layout's, with jax's Pallas kernel). Each is compiled; `memory_analysis()` gives per-chip bytes and
+`cost_analysis()` FLOPs and bytes accessed. Times are a roofline, max(flops / peak, bytes / HBM bandwidth): a
+lower bound. The weight push time is a bandwidth model, not a measurement.
 """
 
 from __future__ import annotations
@@ -155,10 +151,8 @@ def build_sampler(c: config_lib.RunConfig, mesh: Mesh, scan: bool | None = None)
 
 
 def trainer_program(c: config_lib.RunConfig, trainer: Trainer, chip: Chip) -> jax.stages.Lowered:
-  """`trainer`'s RL step lowered for one global batch (the rollout's packed shape).
-
-  Fails fast (before a compile that takes minutes at 32B) when the train state alone exceeds HBM.
-  """
+  """`trainer`'s RL step lowered for one global batch; fails fast (before a compile that takes minutes at 32B)
+  when the train state alone exceeds HBM."""
   r = c.rollout
   rows = r.rows
   # Rollouts are packed with the prompt in the first max_prompt_len slots (rollout.pack).
@@ -193,13 +187,10 @@ def decode_counts(c: config_lib.RunConfig, sampler: Sampler, unrolled: jax.stage
   """Per-chip bytes of one decode step, which the scanned program's cost analysis cannot give.
 
   XLA counts a loop body once and cannot see into a Mosaic kernel, so the chunk is compiled with its layers
-  unrolled (`unrolled`; XLA then counts every layer of the step; TPU's count is of HBM traffic after
-  memory-space assignment) and on the paged layout the kernel's own count is added (jax's kernel carries no cost
-  estimate: `paged.kernel_cost`, every page of every slot at the full context, q and output in f32). Compared
-  with what a step must read: the weights and the KV cache per chip. XLA's count is of the whole chunk program,
-  whose while loop carries the slot state and the weights in its tuple: what of it is per-step traffic the cost
-  analysis does not separate. The dense layout's chunk runs one loop per segment bound (`layouts.Dense.bounds`),
-  each body counted once.
+  unrolled (`unrolled`) and on the paged layout the kernel's own count is added (`paged.kernel_cost`: every page
+  of every slot at the full context). Compared with what a step must read: weights + KV cache per chip. XLA's
+  count is of the whole chunk, whose while loop carries the state and weights in its tuple (not separable from
+  per-step traffic); the dense layout's chunk has one loop per segment bound, each body counted once.
   """
   r, cfg, mesh, lay = c.rollout, c.model, sampler.mesh, sampler.layout
   S, max_len = sampler.slots, r.max_prompt_len + r.max_new_tokens
@@ -245,11 +236,6 @@ def _mesh_desc(mesh) -> str:
   return "x".join(f"{k}{v}" for k, v in mesh.shape.items() if v > 1) or "1"
 
 
-def _per_chip_bytes(shapes, shardings) -> int:
-  return sum(int(np.prod(sh.shard_shape(s.shape))) * jnp.dtype(s.dtype).itemsize
-             for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)))
-
-
 def push_estimate(trainer: Trainer, sampler: Sampler, chip: Chip, cross_dcn: bool) -> dict[str, float]:
   """Bandwidth model of one trainer → sampler push (CrossMeshPush's three phases, no overlap).
 
@@ -261,7 +247,7 @@ def push_estimate(trainer: Trainer, sampler: Sampler, chip: Chip, cross_dcn: boo
   mesh = sampler.mesh
   total = sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in dst)
   tr = [NamedSharding(mesh, transport_spec(s.shape, dict(mesh.shape))) for s in dst]
-  piece = _per_chip_bytes(dst, tr)
+  piece = sizing.tree_bytes(dst, tr)
   shard = sum(_shard_bytes(s) for s in dst)
   link = chip.dcn_bw if cross_dcn else chip.ici_bw
   t = dict(transport_s=piece / chip.ici_bw, cross_s=piece / link, gather_s=max(shard - piece, 0) / chip.ici_bw)

@@ -34,7 +34,8 @@ def device_budget(device, *, free: bool = False) -> int:
   raise ValueError(f"device {device} reports no memory_stats()['bytes_limit']; pass the budget explicitly")
 
 
-def _tree_bytes(shapes: Any, shardings: Any = None) -> int:
+def tree_bytes(shapes: Any, shardings: Any = None) -> int:
+  """Per-device bytes of a tree of shapes on a tree of shardings (None: whole arrays)."""
   leaves = jax.tree.leaves(shapes)
   shards = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
   return sum(int(np.prod(sh.shard_shape(x.shape) if sh is not None else x.shape, dtype=np.int64))
@@ -44,7 +45,7 @@ def _tree_bytes(shapes: Any, shardings: Any = None) -> int:
 def kv_bytes(cfg: models.ModelConfig, layout, slots: int, mesh=None) -> int:
   """Per-device bytes of `layout`'s cache for `slots` slots (on `mesh`'s shardings when given)."""
   shapes = jax.eval_shape(lambda: layout.init(cfg, slots))
-  return _tree_bytes(shapes, layout.shardings(cfg, mesh, slots) if mesh is not None else None)
+  return tree_bytes(shapes, layout.shardings(cfg, mesh, slots) if mesh is not None else None)
 
 
 def recompute_bytes(cfg: models.ModelConfig, slots: int, length: int, mesh=None) -> int:
@@ -55,12 +56,12 @@ def recompute_bytes(cfg: models.ModelConfig, slots: int, length: int, mesh=None)
   if mesh is not None:
     spec = models.spec_for((None, "batch", None, "act_kv_heads", None), shape, dict(mesh.shape))
     sh = jax.sharding.NamedSharding(mesh, spec)
-  return 2 * _tree_bytes(jax.ShapeDtypeStruct(shape, cfg.jnp_dtype), sh)
+  return 2 * tree_bytes(jax.ShapeDtypeStruct(shape, cfg.jnp_dtype), sh)
 
 
 def weight_bytes(cfg: models.ModelConfig, mesh=None) -> int:
   """Per-device bytes of the weights as the sampler holds them (compute dtype, its shardings)."""
-  return _tree_bytes(params_lib.abstract(cfg, mesh), None if mesh is None else
+  return tree_bytes(params_lib.abstract(cfg, mesh), None if mesh is None else
                      jax.tree.map(lambda x: x.sharding, params_lib.abstract(cfg, mesh)))
 
 
