@@ -9,3 +9,4 @@ from rlax.algorithms.registry import (ESTIMATORS, TOKEN_ESTIMATORS, AlgorithmCon
                                       known_algorithms)
 from rlax.algorithms.regularizers import (KL_ESTIMATORS, clipped_value_loss, entropy_bonus, kl_estimate,
                                           kl_penalized_rewards)
+from rlax.algorithms.segments import Segments

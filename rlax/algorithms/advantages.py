@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from rlax.algorithms.segments import Segments
+
 
 def _groups(rewards: Float[Array, "B"], group_size: int) -> Float[Array, "P G"]:
   chex.assert_rank(rewards, 1)
@@ -64,7 +66,8 @@ def rloo_advantages(rewards: Float[Array, "B"], group_size: int) -> Float[Array,
 
 def reinforce_pp_advantages(rewards: Float[Array, "B"], group_size: int | None = None, eps: float = 1e-6, *,
                             mask: Float[Array, "B T"] | None = None, kl: Float[Array, "B T"] | None = None,
-                            beta: float = 0.0) -> Float[Array, "B"] | Float[Array, "B T"]:
+                            beta: float = 0.0, segments: Segments = Segments()
+                            ) -> Float[Array, "B"] | Float[Array, "B T"]:
   """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262): per-token A_t = r - beta * sum_{i>=t} KL_i, batch-normalized.
 
   The KL penalty is "KL to go": token t carries the KL of itself and every later
@@ -77,7 +80,7 @@ def reinforce_pp_advantages(rewards: Float[Array, "B"], group_size: int | None =
 
   `group_size` = G >= 2 subtracts the group mean reward first (the paper's
   "REINFORCE++-baseline"); None is plain REINFORCE++. A batch whose advantages
-  are all equal gives exactly 0.
+  are all equal gives exactly 0. `segments`: which sequence each slot of `mask` is (a packed batch).
   """
   chex.assert_rank(rewards, 1)
   a = rewards.astype(jnp.float32)
@@ -91,13 +94,13 @@ def reinforce_pp_advantages(rewards: Float[Array, "B"], group_size: int | None =
     a, m = a[:, None], jnp.ones((a.shape[0], 1), jnp.float32)
   else:
     chex.assert_rank(mask, 2)
-    chex.assert_axis_dimension(mask, 0, a.shape[0])
+    if not segments.packed:
+      chex.assert_axis_dimension(mask, 0, a.shape[0])
     m = mask.astype(jnp.float32)
-    a = jnp.broadcast_to(a[:, None], m.shape)
+    a = segments.spread(a, m)
     if kl is not None:
       chex.assert_equal_shape([kl, mask])
-      kl_to_go = jnp.flip(jnp.cumsum(jnp.flip(kl.astype(jnp.float32) * m, 1), axis=1), 1)
-      a = a - beta * kl_to_go
+      a = a - beta * segments.reverse_cumsum(kl.astype(jnp.float32) * m)
   n = jnp.maximum(jnp.sum(m), 1.0)
   mean = jnp.sum(a * m) / n
   centred = (a - mean) * m
@@ -110,21 +113,23 @@ def reinforce_pp_advantages(rewards: Float[Array, "B"], group_size: int | None =
 
 
 def gae_advantages(rewards: Float[Array, "B T"], values: Float[Array, "B T"], mask: Float[Array, "B T"],
-                   gamma: float = 1.0, lam: float = 0.95) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+                   gamma: float = 1.0, lam: float = 0.95, segments: Segments = Segments()
+                   ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
   """GAE (Schulman et al. 2016, arXiv 1506.02438) for PPO with a value model, per token.
 
   delta_t = r_t + gamma * V_{t'} - V_t and A_t = delta_t + gamma * lam * A_{t'},
   where t' is the next position with mask 1 (V = A = 0 past the last one), so
   padding and masked-out tokens are skipped. Returns (advantages, returns =
-  advantages + values), both [B, T] and 0 where mask is 0.
+  advantages + values), both [B, T] and 0 where mask is 0. A packed batch (`segments`) restarts the
+  recursion at each sequence's end.
   """
   chex.assert_rank([rewards, values, mask], 2)
   chex.assert_equal_shape([rewards, values, mask])
   m = mask.astype(jnp.float32)
 
   def step(carry, xs):
-    next_v, next_a = carry
-    r, v, mk = xs
+    r, v, mk, cont = xs
+    next_v, next_a = carry[0] * cont, carry[1] * cont
     delta = r + gamma * next_v - v
     a = delta + gamma * lam * next_a
     # Masked positions pass the carry through unchanged.
@@ -132,7 +137,8 @@ def gae_advantages(rewards: Float[Array, "B T"], values: Float[Array, "B T"], ma
     return carry, a * mk
 
   zeros = jnp.zeros(rewards.shape[0], jnp.float32)
-  xs = (rewards.astype(jnp.float32).T, values.astype(jnp.float32).T, m.T)
+  cont = jnp.broadcast_to(segments.continues(), m.shape).astype(jnp.float32)
+  xs = (rewards.astype(jnp.float32).T, values.astype(jnp.float32).T, m.T, cont.T)
   _, adv = jax.lax.scan(step, (zeros, zeros), xs, reverse=True)
   adv = adv.T
   return adv, (adv + values) * m

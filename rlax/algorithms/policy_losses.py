@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from rlax.algorithms.segments import Segments
+
 Info = dict[str, jax.Array]
 
 
@@ -63,21 +65,22 @@ def ppo_loss(logp: Float[Array, "B T"], old_logp: Float[Array, "B T"], advantage
 
 
 def gspo_loss(logp: Float[Array, "B T"], old_logp: Float[Array, "B T"], advantages: Float[Array, "B"],
-              mask: Float[Array, "B T"], *, eps_low: float = 3e-4, eps_high: float = 4e-4
-              ) -> tuple[Float[Array, "B T"], Info]:
+              mask: Float[Array, "B T"], *, eps_low: float = 3e-4, eps_high: float = 4e-4,
+              segments: Segments = Segments()) -> tuple[Float[Array, "B T"], Info]:
   """GSPO (Zheng et al. 2025, arXiv 2507.18071), token form with a sequence-level ratio.
 
   s_i = exp((1/|y_i|) sum_t mask (logp - old_logp)) is the length-normalized
   sequence ratio; each token uses s_it = sg(s_i) * exp(logp_t - sg(logp_t)),
   whose value is s_i and whose gradient is s_i * grad logp_t, in the clipped
   surrogate max(-A s_it, -A clip(s_it, 1-eps_low, 1+eps_high)). With
-  seq-mean-token-mean aggregation this is exactly GSPO's objective.
+  seq-mean-token-mean aggregation this is exactly GSPO's objective. A packed batch (`segments` packed) gives
+  each sequence's advantage on its slots, [R, T].
   """
-  chex.assert_rank(advantages, 1)
+  chex.assert_rank(advantages, 2 if segments.packed else 1)
   adv, m = _check(logp, old_logp, advantages, mask)
-  n = jnp.maximum(jnp.sum(m, axis=1), 1.0)
-  log_s = jnp.sum((logp - old_logp) * m, axis=1) / n
-  s = jax.lax.stop_gradient(jnp.exp(log_s))[:, None] * jnp.exp(logp - jax.lax.stop_gradient(logp))
+  n = jnp.maximum(segments.sum(m), 1.0)
+  log_s = segments.sum((logp - old_logp) * m) / n
+  s = segments.spread(jax.lax.stop_gradient(jnp.exp(log_s)), m) * jnp.exp(logp - jax.lax.stop_gradient(logp))
   loss, clipped = _clip_surrogate(s, adv, eps_low, eps_high, None)
   return loss * m, {"ratio": s, "clipped": clipped.astype(jnp.float32) * m}
 

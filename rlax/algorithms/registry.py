@@ -19,6 +19,7 @@ from rlax.algorithms import policy_losses
 from rlax.algorithms.aggregation import AGG_MODES
 from rlax.algorithms.off_policy import IS_MODES
 from rlax.algorithms.regularizers import KL_ESTIMATORS
+from rlax.algorithms.segments import Segments
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 # Estimators whose advantage is per token ([B, T]) given the scored-token mask (KL to go, token-level norm).
@@ -107,9 +108,10 @@ class AlgorithmConfig:
   def replace(self, **kw) -> "AlgorithmConfig":
     return dataclasses.replace(self, **kw)
 
-  def advantages(self, rewards, group_size: int, mask=None, kl=None):
+  def advantages(self, rewards, group_size: int, mask=None, kl=None, segments: Segments = Segments()):
     """Advantages from rewards [B] (P groups of `group_size` contiguous rows): [B], or [B, T] for the
-    REINFORCE++ estimators when `mask` [B, T] is given (`kl` [B, T]: per-token KL, penalized with kl_coef)."""
+    REINFORCE++ estimators when `mask` [B, T] is given (`kl` [B, T]: per-token KL, penalized with kl_coef;
+    `segments`: which sequence each slot of a packed batch is)."""
     if kl is not None and self.advantage not in TOKEN_ESTIMATORS:
       raise ValueError(f"advantage={self.advantage!r} takes sequence rewards: subtract the KL from them first")
     if self.advantage == "grpo":
@@ -121,7 +123,8 @@ class AlgorithmConfig:
     if self.advantage in TOKEN_ESTIMATORS:
       # Plain REINFORCE++ has no group baseline (with G = 1 a group mean would zero every advantage).
       g = group_size if self.advantage == "reinforce_pp_baseline" else None
-      return adv_lib.reinforce_pp_advantages(rewards, g, self.adv_eps, mask=mask, kl=kl, beta=self.kl_coef)
+      return adv_lib.reinforce_pp_advantages(rewards, g, self.adv_eps, mask=mask, kl=kl, beta=self.kl_coef,
+                                             segments=segments)
     raise ValueError("advantage='gae' is per token and needs values: pass precomputed advantages "
                      "(rlax.algorithms.gae_advantages) in the batch")
 
@@ -134,8 +137,10 @@ class AlgorithmConfig:
       return functools.partial(fn, eps_low=self.eps_low, eps_high=self.eps_high)
     return fn
 
-  def token_loss(self, logp, old_logp, advantages, mask):
-    """Per-token loss [B, T] and info (ratio, clipped); see policy_losses."""
+  def token_loss(self, logp, old_logp, advantages, mask, segments: Segments = Segments()):
+    """Per-token loss [B, T] and info (ratio, clipped); see policy_losses (`segments`: GSPO's sequences)."""
+    if self.policy_loss == "gspo":
+      return self.policy_loss_fn()(logp, old_logp, advantages, mask, segments=segments)
     return self.policy_loss_fn()(logp, old_logp, advantages, mask)
 
 

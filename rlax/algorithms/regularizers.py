@@ -17,6 +17,8 @@ import chex
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from rlax.algorithms.segments import Segments
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 # exp(-d) overflows f32 near d = -88; a ±20 clamp only touches pathological tokens.
 _MAX_LOG_RATIO = 20.0
@@ -39,15 +41,18 @@ def kl_estimate(logp: Float[Array, "B T"], ref_logp: Float[Array, "B T"], kind: 
 
 
 def kl_penalized_rewards(rewards: Float[Array, "B"], logp: Float[Array, "B T"], ref_logp: Float[Array, "B T"],
-                         mask: Float[Array, "B T"], beta: float, kind: str = "k1") -> Float[Array, "B"]:
+                         mask: Float[Array, "B T"], beta: float, kind: str = "k1",
+                         segments: Segments = Segments()) -> Float[Array, "B"]:
   """Reward shaping r_i - beta * sum_t mask * k(logp, ref_logp) (Ouyang et al. 2022, arXiv 2203.02155).
 
-  Pass the old policy's detached log-probs: the penalty is a reward, not a gradient path. [B] -> [B].
+  Pass the old policy's detached log-probs: the penalty is a reward, not a gradient path. [B] -> [B]
+  (`segments`: which sequence each slot is, for a packed batch).
   """
   chex.assert_rank(rewards, 1)
-  chex.assert_axis_dimension(logp, 0, rewards.shape[0])
+  if not segments.packed:
+    chex.assert_axis_dimension(logp, 0, rewards.shape[0])
   kl = kl_estimate(logp, ref_logp, kind) * mask.astype(jnp.float32)
-  return rewards.astype(jnp.float32) - beta * jnp.sum(kl, axis=1)
+  return rewards.astype(jnp.float32) - beta * segments.sum(kl)
 
 
 def clipped_value_loss(values: Float[Array, "B T"], old_values: Float[Array, "B T"],

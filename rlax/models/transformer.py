@@ -142,11 +142,14 @@ def _run_layers(cfg, params, x, body, carry_extra, last_body=None):
 def hidden_states(params: Params, cfg: ModelConfig, tokens: Int[Array, "B T"], *,
                   positions: Optional[Int[Array, "B T"]] = None,
                   input_mask: Optional[Bool[Array, "B T"]] = None,
-                  cache: Optional[KVCache] = None, start: int = 0
+                  cache: Optional[KVCache] = None, start: int = 0,
+                  segment_ids: Optional[Int[Array, "B T"]] = None, parents: Optional[Int[Array, "B T"]] = None
                   ) -> tuple[Float[Array, "B T D"], Optional[KVCache]]:
   """Final-normed hidden states, and the updated cache when one is given.
 
-  Without a cache, token t attends to tokens s ≤ t with input_mask[s]. With a
+  Without a cache, token t attends to tokens s ≤ t with input_mask[s]. A packed row (rlax.rollout.packing)
+  gives `segment_ids` (0: padding) and `parents`: token t attends to tokens s ≤ t of its own segment or
+  of segment parents[t] (a prompt shared by several responses), with explicit `positions`. With a
   cache, the T tokens are written at slots [index, index+T) and attend to every
   valid slot up to their own. start > 0 (no cache): only positions start.. are
   returned ([B, T-start, D]); the last layer then skips the query, output and
@@ -168,6 +171,11 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: Int[Array, "B T"], *
   if cache is None:
     causal = jnp.tril(jnp.ones((T, T), bool))
     mask = causal[None] & input_mask[:, None, :]
+    if segment_ids is not None:
+      kv = segment_ids[:, None, :]
+      own = segment_ids[:, :, None]
+      par = own if parents is None else parents[:, :, None]
+      mask = mask & (kv > 0) & ((kv == own) | (kv == par))
 
     def body(x, lp, extra, l, q_start=0):
       attend = lambda q, k, v: attention(q, k, v, mask[:, q_start:])

@@ -15,7 +15,7 @@ import numpy as np
 from rlax.data.prompts import PromptRenderer
 from rlax.data.records import Record
 from rlax.sampler import SampleOutput, strategies
-from rlax.trainer.batch import RolloutBatch, response_loss_mask
+from rlax.trainer.batch import PackedBatch, RolloutBatch, response_loss_mask
 
 
 def strategy(temperature: float, top_k: int = 0, top_p: float = 1.0) -> strategies.SamplingMethod:
@@ -71,6 +71,136 @@ def pack(out: SampleOutput, rewards: np.ndarray, prompt_len: int) -> RolloutBatc
   return RolloutBatch(tokens=tokens, input_mask=input_mask, loss_mask=loss_mask,
                       behaviour_logprobs=blp, rewards=np.asarray(rewards, np.float32), versions=row_version,
                       group_ids=np.asarray(out.prompt_ids, np.int32), prompt_len=P)
+
+
+def _sequences(batch: RolloutBatch) -> list[tuple[np.ndarray, int, int]]:
+  """(real prompt tokens, response start, response length) of every row; raises on a layout it cannot pack."""
+  P = batch.prompt_len
+  if P < 1:
+    raise ValueError("packing needs RolloutBatch.prompt_len >= 1 (rows of [left-padded prompt | response])")
+  tokens, mask = np.asarray(batch.tokens), np.asarray(batch.input_mask, bool)
+  lm = np.asarray(batch.loss_mask)
+  out = []
+  for b in range(tokens.shape[0]):
+    prompt = tokens[b, :P][mask[b, :P]]
+    n = int(mask[b, P:].sum())
+    if not mask[b, P:P + n].all():
+      raise ValueError(f"row {b}: response tokens must be contiguous after the prompt (right padding only)")
+    if len(prompt) == 0 and n:
+      raise ValueError(f"row {b}: a response needs at least one prompt token to be scored from")
+    if np.any(lm[b, P - 1 + n:]):
+      raise ValueError(f"row {b}: loss_mask scores a position past the response")
+    out.append((prompt, P, n))
+  return out
+
+
+def _pieces(batch: RolloutBatch, seqs, share: bool, row_len: int) -> list[tuple[np.ndarray, list[int]]]:
+  """Pieces of (prompt, member rows): one prompt, then the responses that attend to it, within row_len."""
+  groups: dict = {}
+  for b, (prompt, _, n) in enumerate(seqs):
+    if n == 0:
+      continue  # nothing to score; its reward still counts in its group's advantages
+    if len(prompt) + n > row_len:
+      raise ValueError(f"a sequence of {len(prompt) + n} tokens ({len(prompt)} prompt + {n} response) does not "
+                       f"fit a packed row of optimizer.pack_tokens={row_len}; raise it")
+    key = (int(batch.group_ids[b]), prompt.tobytes()) if share else b
+    groups.setdefault(key, []).append(b)
+  pieces = []
+  for members in groups.values():
+    prompt = seqs[members[0]][0]
+    cur, used = [], len(prompt)
+    for b in members:
+      n = seqs[b][2]
+      if cur and used + n > row_len:
+        pieces.append((prompt, cur))
+        cur, used = [], len(prompt)
+      cur.append(b)
+      used += n
+    pieces.append((prompt, cur))
+  return pieces
+
+
+def _bucket(n: int, cap: int) -> int:
+  return min(cap, max(8, 1 << max(n - 1, 0).bit_length()))
+
+
+def pack_tokens(batch: RolloutBatch, row_len: int, *, share_prompts: bool = True, row_multiple: int = 1
+                ) -> PackedBatch:
+  """The padded numpy batch as rows of `row_len` real tokens (first-fit decreasing), on the host.
+
+  With share_prompts, the responses of one group whose prompts are equal follow one copy of the prompt and
+  attend to it (the same hidden states and gradients as separate copies, computed once). Rows are padded to
+  a multiple of `row_multiple` (one bucket per micro-batch count); scored slots per row to a power of two.
+  Sequences with no response token get no slots. Raises ValueError naming the knob if a sequence does not fit.
+  """
+  batch.check()
+  seqs = _sequences(batch)
+  pieces = sorted(_pieces(batch, seqs, share_prompts, row_len),
+                  key=lambda pc: -(len(pc[0]) + sum(seqs[b][2] for b in pc[1])))
+  rows: list[list] = []
+  free: list[int] = []
+  for pc in pieces:
+    size = len(pc[0]) + sum(seqs[b][2] for b in pc[1])
+    r = next((i for i, f in enumerate(free) if f >= size), None)
+    if r is None:
+      rows.append([])
+      free.append(row_len)
+      r = len(rows) - 1
+    rows[r].append(pc)
+    free[r] -= size
+  R = max(row_multiple, -(-max(len(rows), 1) // row_multiple) * row_multiple)
+  K = _bucket(max([row_len - f - sum(len(pc[0]) for pc in row) for row, f in zip(rows, free)] + [1]), row_len)
+  B = batch.batch_size
+  tok, lm = np.asarray(batch.tokens), np.asarray(batch.loss_mask, np.float32)
+  blp = np.asarray(batch.behaviour_logprobs, np.float32)
+  per_tok = {"loss_mask": lm, "behaviour_logprobs": blp}
+  if batch.ref_logprobs is not None:
+    per_tok["ref_logprobs"] = np.asarray(batch.ref_logprobs, np.float32)
+  adv = None if batch.advantages is None else np.asarray(batch.advantages, np.float32)
+  if adv is not None and adv.ndim == 2:
+    per_tok["advantages"] = adv
+  z = lambda shape, fill=0, d=np.int32: np.full(shape, fill, d)
+  out = dict(tokens=z((R, row_len)), positions=z((R, row_len)), segment_ids=z((R, row_len)),
+             parents=z((R, row_len)), score_index=z((R, K)), targets=z((R, K)), seq=z((R, K), B))
+  out.update({k: z((R, K), 0.0, np.float32) for k in per_tok})
+  for r, row in enumerate(rows):
+    o, k, sid = 0, 0, 0
+    for prompt, members in row:
+      p = len(prompt)
+      sid += 1
+      parent = sid
+      out["tokens"][r, o:o + p], out["positions"][r, o:o + p], out["segment_ids"][r, o:o + p] = prompt, np.arange(p), sid
+      last, o = o + p - 1, o + p
+      for b in members:
+        _, P, n = seqs[b]
+        sid += 1
+        sl = slice(o, o + n)
+        out["tokens"][r, sl], out["positions"][r, sl] = tok[b, P:P + n], p + np.arange(n)
+        out["segment_ids"][r, sl], out["parents"][r, sl] = sid, parent
+        ks = slice(k, k + n)
+        out["score_index"][r, ks] = np.concatenate([[last], np.arange(o, o + n - 1)])
+        out["targets"][r, ks], out["seq"][r, ks] = tok[b, P:P + n], b
+        for name, a in per_tok.items():
+          out[name][r, ks] = a[b, P - 1:P - 1 + n]
+        o, k = o + n, k + n
+  if adv is not None and adv.ndim == 2:
+    adv = out.pop("advantages")
+  return PackedBatch(**out, rewards=np.asarray(batch.rewards, np.float32), versions=np.asarray(batch.versions, np.int32),
+                     group_ids=np.asarray(batch.group_ids, np.int32), advantages=adv,
+                     max_len=batch.tokens.shape[1] - batch.prompt_len)
+
+
+def unpack_slots(values: np.ndarray, packed: PackedBatch, like: RolloutBatch) -> np.ndarray:
+  """Scored-slot values [R, K] of `packed` back at their places [B, T-1] of the padded batch `like`."""
+  values, seq = np.asarray(values), np.asarray(packed.seq)
+  B, T = like.tokens.shape
+  out = np.zeros((B, T - 1), values.dtype)
+  seen = np.zeros(B, np.int64)
+  for r, k in zip(*np.nonzero(seq < B)):
+    b = seq[r, k]
+    out[b, like.prompt_len - 1 + seen[b]] = values[r, k]
+    seen[b] += 1
+  return out
 
 
 def take_rows(batch: RolloutBatch, rows: np.ndarray) -> RolloutBatch:

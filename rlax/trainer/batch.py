@@ -25,7 +25,9 @@ import numpy as np
 # `RolloutBatch.abstract` is the one the runtime runs (a new dtype would be a new compile).
 _DTYPES = {"tokens": jnp.int32, "input_mask": jnp.bool_, "loss_mask": jnp.float32,
            "behaviour_logprobs": jnp.float32, "rewards": jnp.float32, "versions": jnp.int32,
-           "group_ids": jnp.int32, "ref_logprobs": jnp.float32, "advantages": jnp.float32}
+           "group_ids": jnp.int32, "ref_logprobs": jnp.float32, "advantages": jnp.float32,
+           "positions": jnp.int32, "segment_ids": jnp.int32, "parents": jnp.int32, "score_index": jnp.int32,
+           "targets": jnp.int32, "seq": jnp.int32}
 
 
 def _check_dtype(kind: str, name: str, x) -> None:
@@ -103,6 +105,77 @@ class RolloutBatch:
       raise ValueError(f"RolloutBatch.loss_mask scores a position before prompt_len={self.prompt_len}")
     if group_size is not None and (group_size < 1 or B % group_size):
       raise ValueError(f"batch of {B} rows is not a whole number of groups of group_size={group_size}")
+    return self
+
+
+@flax.struct.dataclass
+class PackedBatch:
+  """A RolloutBatch packed into R rows of L tokens (rlax.rollout.packing.pack_tokens): only real tokens.
+
+  Model inputs [R, L]: tokens, positions (restarting at 0 in each sequence), segment_ids (1.. per piece
+  of a row, 0 on padding) and parents (the segment a response continues: its prompt, shared by the
+  responses of one group; 0 for none). Token t attends to tokens s <= t of its segment or its parent's.
+  Scored slots [R, K]: score_index (the row position whose hidden state predicts the slot's token),
+  targets (that token), seq (the sequence 0..B-1 of the slot; B on padding), loss_mask,
+  behaviour_logprobs, ref_logprobs (or None). Per sequence [B]: rewards, versions, group_ids (prompt-major
+  as in RolloutBatch); advantages [B], [R, K] or None. max_len (static): the response budget (T - prompt
+  length of the padded batch), Dr. GRPO's default normalizer.
+  """
+  tokens: jax.Array
+  positions: jax.Array
+  segment_ids: jax.Array
+  parents: jax.Array
+  score_index: jax.Array
+  targets: jax.Array
+  seq: jax.Array
+  loss_mask: jax.Array
+  behaviour_logprobs: jax.Array
+  rewards: jax.Array
+  versions: jax.Array
+  group_ids: jax.Array
+  ref_logprobs: Optional[jax.Array] = None
+  advantages: Optional[jax.Array] = None
+  max_len: int = flax.struct.field(pytree_node=False, default=1)
+
+  @property
+  def batch_size(self) -> int:
+    """Sequences (rows of the padded batch it came from)."""
+    return self.rewards.shape[0]
+
+  @classmethod
+  def abstract(cls, rows: int, length: int, slots: int, seqs: int, *, with_ref: bool = False,
+               max_len: int = 1) -> "PackedBatch":
+    """ShapeDtypeStructs of a batch of `rows` x `length` tokens, `slots` scored slots a row, `seqs` sequences."""
+    s = lambda name, *shape: jax.ShapeDtypeStruct(shape, _DTYPES[name])
+    row = {n: s(n, rows, length) for n in ("tokens", "positions", "segment_ids", "parents")}
+    slot = {n: s(n, rows, slots) for n in ("score_index", "targets", "seq", "loss_mask", "behaviour_logprobs")}
+    return cls(**row, **slot, rewards=s("rewards", seqs), versions=s("versions", seqs),
+               group_ids=s("group_ids", seqs), ref_logprobs=s("ref_logprobs", rows, slots) if with_ref else None,
+               max_len=max_len)
+
+  def check(self, group_size: Optional[int] = None) -> "PackedBatch":
+    """Raises ValueError naming the first field whose shape or dtype is wrong; returns self."""
+    R, L = self.tokens.shape if self.tokens.ndim == 2 else (0, 0)
+    if self.tokens.ndim != 2 or self.score_index.ndim != 2:
+      raise ValueError(f"PackedBatch.tokens and score_index must be 2-D, got {self.tokens.shape}, "
+                       f"{self.score_index.shape}")
+    K, B = self.score_index.shape[1], self.rewards.shape[0]
+    want = {"tokens": (R, L), "positions": (R, L), "segment_ids": (R, L), "parents": (R, L),
+            "score_index": (R, K), "targets": (R, K), "seq": (R, K), "loss_mask": (R, K),
+            "behaviour_logprobs": (R, K), "rewards": (B,), "versions": (B,), "group_ids": (B,)}
+    if self.ref_logprobs is not None:
+      want["ref_logprobs"] = (R, K)
+    for name, shape in want.items():
+      got = tuple(getattr(self, name).shape)
+      if got != shape:
+        raise ValueError(f"PackedBatch.{name} has shape {got}, expected {shape}")
+      _check_dtype("PackedBatch", name, getattr(self, name))
+    if self.advantages is not None:
+      if tuple(self.advantages.shape) not in ((B,), (R, K)):
+        raise ValueError(f"PackedBatch.advantages has shape {self.advantages.shape}, expected {(B,)} or {(R, K)}")
+      _check_dtype("PackedBatch", "advantages", self.advantages)
+    if group_size is not None and (group_size < 1 or B % group_size):
+      raise ValueError(f"batch of {B} sequences is not a whole number of groups of group_size={group_size}")
     return self
 
 

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from rlax import algorithms
 from rlax import models
 from rlax.models.init import abstract_params
+from rlax.trainer import layouts
 
 
 def init_params(policy_params: Any) -> dict:
@@ -53,30 +54,28 @@ def load_trunk(spec: str, cfg: models.ModelConfig, mesh: Optional[Mesh]) -> Opti
 
 
 def values(critic: dict, cfg: models.ModelConfig, tokens, input_mask, *, start: int = 0) -> jax.Array:
-  """V at every loss-mask index: [B, T-1] f32 (positions before `start` are 0 and not computed)."""
-  h, _ = models.hidden_states(critic["trunk"], cfg, tokens, input_mask=input_mask, start=start)
-  v = jnp.einsum("btd,d->bt", h[:, :-1].astype(jnp.float32), critic["head"]["w"]) + critic["head"]["b"]
-  return jnp.pad(v, ((0, 0), (start, 0))) if start else v
+  """V at every loss-mask index of padded rows: [B, T-1] f32 (positions before `start` are 0, not computed)."""
+  layout = layouts.Layout(packed=False, start=start)
+  return layout.values(critic, cfg, {"tokens": tokens, "input_mask": input_mask})
 
 
-def token_rewards(rewards, mask, kl=None, beta: float = 0.0) -> jax.Array:
-  """Per-token rewards [B, T-1]: the sequence reward on each row's last scored token, minus beta * KL_t on
-  every scored token when `kl` [B, T-1] is given (Ouyang et al. 2022, arXiv 2203.02155, eq. 2)."""
+def token_rewards(rewards, mask, kl=None, beta: float = 0.0,
+                  segments: algorithms.Segments = algorithms.Segments()) -> jax.Array:
+  """Per-token rewards [B, T-1]: the sequence reward on each sequence's last scored token, minus beta * KL_t
+  on every scored token when `kl` [B, T-1] is given (Ouyang et al. 2022, arXiv 2203.02155, eq. 2)."""
   m = mask.astype(jnp.float32)
-  idx = jnp.arange(m.shape[1])
-  last = jnp.max(jnp.where(m > 0, idx, -1), axis=1)
-  out = jnp.where(idx[None] == last[:, None], rewards.astype(jnp.float32)[:, None], 0.0)
+  out = jnp.where(segments.last_masked(m), segments.spread(rewards.astype(jnp.float32), m), 0.0)
   if kl is not None:
     out = out - beta * kl * m
   return out * m
 
 
-def advantages(rewards, old_values, mask, gamma: float, lam: float, eps: float = 1e-8
-               ) -> tuple[jax.Array, jax.Array]:
+def advantages(rewards, old_values, mask, gamma: float, lam: float, eps: float = 1e-8,
+               segments: algorithms.Segments = algorithms.Segments()) -> tuple[jax.Array, jax.Array]:
   """(advantages, returns), both [B, T-1]: GAE(gamma, lambda) (Schulman et al. 2016, arXiv 1506.02438) on
   the old values; the advantages whitened over the batch's scored tokens as in PPO-RLHF (Ziegler et al.
   2019), the returns not (they are the value targets)."""
-  adv, ret = algorithms.gae_advantages(rewards, old_values, mask, gamma, lam)
+  adv, ret = algorithms.gae_advantages(rewards, old_values, mask, gamma, lam, segments=segments)
   m = mask.astype(jnp.float32)
   n = jnp.maximum(jnp.sum(m), 1.0)
   mean = jnp.sum(adv * m) / n
@@ -84,15 +83,15 @@ def advantages(rewards, old_values, mask, gamma: float, lam: float, eps: float =
   return (adv - mean) / (std + eps) * m, ret
 
 
-def value_loss(critic: dict, cfg: models.ModelConfig, mb: dict, *, clip: float, num_tokens, start: int = 0
-               ) -> tuple[jax.Array, dict]:
+def value_loss(critic: dict, cfg: models.ModelConfig, mb: dict, *, clip: float, num_tokens, layout) -> tuple[jax.Array, dict]:
   """Token-mean clipped value loss of one micro-batch (normalized by the full batch's `num_tokens`).
 
-  mb: tokens, input_mask, loss_mask, old_values, returns (each [rows, ...]). Metric sums: value_loss_sum,
-  value_clipped_sum (tokens whose clipped term was the larger one, so their gradient is 0).
+  mb: model (the forward's inputs in `layout`, rlax.trainer.layouts), loss_mask, old_values, returns (each
+  [rows, ...]). Metric sums: value_loss_sum, value_clipped_sum (tokens whose clipped term was the larger
+  one, so their gradient is 0).
   """
   m = mb["loss_mask"]
-  v = values(critic, cfg, mb["tokens"], mb["input_mask"].astype(bool), start=start)
+  v = layout.values(critic, cfg, mb["model"])
   tok = algorithms.clipped_value_loss(v, mb["old_values"], mb["returns"], m, clip)
   v_clip = mb["old_values"] + jnp.clip(v - mb["old_values"], -clip, clip)
   clipped = ((v_clip - mb["returns"]) ** 2 > (v - mb["returns"]) ** 2) * m

@@ -10,14 +10,15 @@ import jax.numpy as jnp
 
 from rlax import algorithms
 from rlax import models
-from rlax.trainer.batch import RolloutBatch
+from rlax.trainer import layouts
+from rlax.trainer.batch import PackedBatch, RolloutBatch
 
 
 @flax.struct.dataclass
 class LossInputs:
-  """The per-row arrays the loss needs (a RolloutBatch minus bookkeeping, plus advantages [B] or [B,T-1])."""
-  tokens: jax.Array
-  input_mask: jax.Array
+  """The per-row arrays the loss needs: the forward's inputs (`model`, see layouts.Layout.inputs), the
+  per-slot masks and log-probs, and advantages ([B] or per slot; per slot in a packed batch)."""
+  model: dict
   loss_mask: jax.Array
   behaviour_logprobs: jax.Array
   advantages: jax.Array
@@ -31,13 +32,14 @@ def kl_reward_old_logprobs(algo: algorithms.AlgorithmConfig) -> bool:
   return algo.kl_coef > 0 and algo.kl_in_reward and algo.old_policy == "recompute"
 
 
-def batch_advantages(algo: algorithms.AlgorithmConfig, batch: RolloutBatch, group_size: int,
+def batch_advantages(algo: algorithms.AlgorithmConfig, batch: RolloutBatch | PackedBatch, group_size: int,
                      old_logprobs: Optional[jax.Array] = None) -> jax.Array:
-  """The batch's advantages if given, else the estimator's on (optionally KL-shaped) rewards; [B] or [B,T-1].
+  """The batch's advantages if given, else the estimator's on (optionally KL-shaped) rewards; [B] or per slot.
 
-  old_logprobs [B, T-1]: the old policy's log-probs, needed for kl_in_reward when old_policy="recompute"
+  old_logprobs (per slot): the old policy's log-probs, needed for kl_in_reward when old_policy="recompute"
   (with "behaviour" the sampler's are the old policy's).
   """
+  seg = layouts.of(batch).segments(layouts.of(batch).inputs(batch))
   if batch.advantages is not None:
     return batch.advantages.astype(jnp.float32)
   rewards = batch.rewards
@@ -53,45 +55,52 @@ def batch_advantages(algo: algorithms.AlgorithmConfig, batch: RolloutBatch, grou
     m = batch.loss_mask.astype(jnp.float32)
     if algo.advantage in algorithms.TOKEN_ESTIMATORS:  # REINFORCE++: the KL to go from each token
       kl = algorithms.kl_estimate(old.astype(jnp.float32), batch.ref_logprobs, algo.kl_estimator) * m
-      return algo.advantages(rewards, group_size, mask=m, kl=kl)
-    rewards = algorithms.kl_penalized_rewards(rewards, old, batch.ref_logprobs, m, algo.kl_coef, algo.kl_estimator)
+      return algo.advantages(rewards, group_size, mask=m, kl=kl, segments=seg)
+    rewards = algorithms.kl_penalized_rewards(rewards, old, batch.ref_logprobs, m, algo.kl_coef, algo.kl_estimator,
+                                              segments=seg)
   if algo.advantage in algorithms.TOKEN_ESTIMATORS:
-    return algo.advantages(rewards, group_size, mask=batch.loss_mask)
+    return algo.advantages(rewards, group_size, mask=batch.loss_mask, segments=seg)
   return algo.advantages(rewards, group_size)
 
 
-def loss_inputs(algo: algorithms.AlgorithmConfig, batch: RolloutBatch, group_size: int,
+def loss_inputs(algo: algorithms.AlgorithmConfig, batch: RolloutBatch | PackedBatch, group_size: int,
                 old_logprobs: Optional[jax.Array] = None) -> LossInputs:
-  """The loss's view of a full batch (advantages computed, masks cast); raises if a needed input is missing."""
+  """The loss's view of a full batch (advantages computed, masks cast); raises if a needed input is missing.
+  A packed batch's sequence advantages go onto its slots, so that every input is split by rows."""
   needs_ref = algo.kl_coef > 0 and not algo.kl_in_reward
   if needs_ref and batch.ref_logprobs is None:
     raise ValueError(f"{algo.name} has kl_coef={algo.kl_coef}: fill batch.ref_logprobs (Trainer.ref_logprobs)")
-  return LossInputs(tokens=batch.tokens, input_mask=batch.input_mask.astype(bool),
-                    loss_mask=batch.loss_mask.astype(jnp.float32),
+  layout = layouts.of(batch)
+  x = layout.inputs(batch)
+  adv = batch_advantages(algo, batch, group_size, old_logprobs)
+  if layout.packed and adv.ndim == 1:
+    adv = layout.segments(x).spread(adv, batch.loss_mask)
+  return LossInputs(model=x, loss_mask=batch.loss_mask.astype(jnp.float32),
                     behaviour_logprobs=batch.behaviour_logprobs.astype(jnp.float32),
-                    advantages=batch_advantages(algo, batch, group_size, old_logprobs),
-                    ref_logprobs=batch.ref_logprobs)
+                    advantages=adv, ref_logprobs=batch.ref_logprobs)
 
 
 def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmConfig, mb: LossInputs, *, num_tokens,
-            num_seqs, num_rows: int, chunk: int = 256, temperature: float = 1.0, start: int = 0) -> tuple[jax.Array, dict]:
+            num_seqs, num_rows: int, chunk: int = 256, temperature: float = 1.0, start: int = 0,
+            layout: Optional[layouts.Layout] = None) -> tuple[jax.Array, dict]:
   """Loss of one micro-batch, normalized by full-batch denominators, and its metric sums.
 
   Per token: policy loss (x detached IS weight) + kl_coef * KL + entropy bonus,
   reduced with `algo.loss_agg`. The "old" policy is the current log-probs,
   detached (exact for one update per batch), or the sampler's when
   algo.old_policy == "behaviour". Metrics are sums / extremes over this
-  micro-batch; the trainer reduces them over micro-batches. Positions before
-  `start` are not computed (their loss_mask must be 0).
+  micro-batch; the trainer reduces them over micro-batches. `layout`: the batch's (default: padded rows
+  whose positions before `start` are not computed; their loss_mask must be 0).
   """
-  lp, ent = models.token_logprobs(params, model_cfg, mb.tokens, input_mask=mb.input_mask, chunk=chunk,
-                             temperature=temperature, with_entropy=True, start=start)
+  layout = layout or layouts.Layout(packed=False, start=start, max_len=mb.loss_mask.shape[1] - start)
+  seg = layout.segments(mb.model)
+  lp, ent = layout.logprobs(params, model_cfg, mb.model, chunk=chunk, temperature=temperature, with_entropy=True)
   m = mb.loss_mask
   behaviour = mb.behaviour_logprobs
   old = jax.lax.stop_gradient(lp) if algo.old_policy == "recompute" else behaviour
-  tok_loss, info = algo.token_loss(lp, old, mb.advantages, m)
+  tok_loss, info = algo.token_loss(lp, old, mb.advantages, m, segments=seg)
   is_mode = algo.off_policy if algo.old_policy == "recompute" else "none"
-  w, is_stats = algorithms.importance_weights(old, behaviour, m, is_mode, algo.is_cap)
+  w, is_stats = algorithms.importance_weights(old, behaviour, m, is_mode, algo.is_cap, segments=seg)
   pg_tok = tok_loss * w
   total = pg_tok
   kl = None
@@ -104,8 +113,8 @@ def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmCon
     total = total + algorithms.entropy_bonus(ent, m, algo.entropy_coef)
   # Dr. GRPO's constant normalizer is the generation budget (arXiv 2503.20783, sec. 3.1): the response slots
   # after `start`, not T - 1, which would count the prompt's slots too.
-  max_len = algo.max_len or (m.shape[1] - start)
-  agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, num_rows=num_rows, max_len=max_len)
+  max_len = algo.max_len or layout.max_len
+  agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, num_rows=num_rows, max_len=max_len, segments=seg)
   loss = algorithms.aggregate(total, m, algo.loss_agg, **agg)
 
   tokens = jnp.sum(m)
@@ -122,7 +131,8 @@ def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmCon
       "is_ratio_sum": is_stats["is_ratio_mean"] * tokens,
       "is_ratio_max": is_stats["is_ratio_max"],
       "is_ratio_min": is_stats["is_ratio_min"],
-      "is_truncated_sum": is_stats["is_frac_truncated"] * tokens,
+      "is_truncated_sum": is_stats["is_over"],
+      "is_units": is_stats["is_units"],
       "logp_diff_sum": jnp.sum(diff),
       "logp_diff_max": jnp.max(diff),
       "tokens": tokens,
@@ -140,6 +150,7 @@ def reduce_metrics(stacked: dict, loss: jax.Array, grad_norm: jax.Array, lr: jax
       "ratio_mean": per_tok("ratio_sum"), "ratio_max": jnp.max(stacked["ratio_max"]),
       "ratio_min": jnp.min(stacked["ratio_min"]), "is_ratio_mean": per_tok("is_ratio_sum"),
       "is_ratio_max": jnp.max(stacked["is_ratio_max"]), "is_ratio_min": jnp.min(stacked["is_ratio_min"]),
-      "is_frac_truncated": per_tok("is_truncated_sum"), "logp_diff_mean": per_tok("logp_diff_sum"),
+      "is_frac_truncated": jnp.sum(stacked["is_truncated_sum"]) / jnp.maximum(jnp.sum(stacked["is_units"]), 1.0),
+      "logp_diff_mean": per_tok("logp_diff_sum"),
       "logp_diff_max": jnp.max(stacked["logp_diff_max"]), "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
   }

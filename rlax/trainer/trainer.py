@@ -27,8 +27,9 @@ from rlax import models
 from rlax.models import sharding as shd
 from rlax.models.init import abstract_params
 from rlax.trainer import critic as critic_lib
+from rlax.trainer import layouts
 from rlax.trainer import objective as rl
-from rlax.trainer.batch import RolloutBatch, SFTBatch
+from rlax.trainer.batch import PackedBatch, RolloutBatch, SFTBatch
 from rlax.trainer.optimizer import OptimizerConfig, make_optimizer, make_schedule
 from rlax.trainer.state import (TrainState, accumulate_gradients, apply_gradients,
                                 split_micro_batches, update_is_finite)
@@ -76,7 +77,7 @@ class Trainer:
     out = {} if mesh is None else dict(out_shardings=(self._state_shardings, NamedSharding(mesh, P())))
     self._rl = jax.jit(self._rl_step, donate_argnums=0, **out)
     self._sft = jax.jit(self._sft_step, donate_argnums=0, **out)
-    self._refs: dict[tuple[int, int], Callable] = {}  # jitted reference log-probs per output shape
+    self._refs: dict[tuple, Callable] = {}  # jitted reference log-probs per (layout, output shape)
 
   # -- layouts (shared by the runtime and the planner) -----------------------------------------------------------
   def _ctx(self):
@@ -131,7 +132,12 @@ class Trainer:
     """RolloutBatch of ShapeDtypeStructs (tokens [rows, seq]) laid out as `place` lays a real batch out."""
     return self._as_placed(RolloutBatch.abstract(rows, seq, with_ref=with_ref, prompt_len=prompt_len))
 
-  def place(self, batch: RolloutBatch | SFTBatch) -> RolloutBatch | SFTBatch:
+  def abstract_packed(self, rows: int, length: int, slots: int, seqs: int, *, with_ref: bool,
+                      max_len: int = 1) -> PackedBatch:
+    """PackedBatch of ShapeDtypeStructs (rows x length tokens, slots scored slots a row) as `place` lays it out."""
+    return self._as_placed(PackedBatch.abstract(rows, length, slots, seqs, with_ref=with_ref, max_len=max_len))
+
+  def place(self, batch):
     """The batch on the trainer mesh in ONE `jax.device_put` (rows sharded as `batch_sharding` says).
 
     Numpy (host) arrays cross to the devices here; arrays already on their target sharding stay as they
@@ -141,7 +147,7 @@ class Trainer:
       return jax.device_put(batch)
     return jax.device_put(batch, jax.tree.map(lambda x: self.batch_sharding(x.shape), batch))
 
-  def lower_step(self, state: TrainState, batch: RolloutBatch) -> jax.stages.Lowered:
+  def lower_step(self, state: TrainState, batch: RolloutBatch | PackedBatch) -> jax.stages.Lowered:
     """The jitted RL step that `step` runs, lowered for `state` and `batch` (arrays or ShapeDtypeStructs,
     e.g. `abstract_state()` and `abstract_batch(...)`); the batch is laid out as `place` lays it out."""
     batch.check(self.group_size)
@@ -183,10 +189,12 @@ class Trainer:
     return fits[-1] if fits else n0
 
   # -- public steps --------------------------------------------------------------------------------------------
-  def step(self, state: TrainState, batch: RolloutBatch) -> tuple[TrainState, dict]:
+  def step(self, state: TrainState, batch: RolloutBatch | PackedBatch) -> tuple[TrainState, dict]:
     """One RL update on `batch` (donates `state`); metrics are scalars (see objective.reduce_metrics).
 
-    `batch` may be numpy (placed here, one device_put) or already `place`d (not moved again).
+    `batch` may be numpy (placed here, one device_put) or already `place`d (not moved again); padded rows
+    (RolloutBatch) or packed ones (PackedBatch, rlax.rollout.packing.pack_tokens: the same loss, metrics
+    and gradients on real tokens only).
     """
     batch.check(self.group_size)
     self.num_micro_batches(*batch.tokens.shape)
@@ -205,48 +213,47 @@ class Trainer:
     with self._ctx():
       return self._sft(state, batch)
 
-  def ref_logprobs(self, ref_params, batch: RolloutBatch | SFTBatch) -> jax.Array:
-    """Reference-model log-probs [B, T-1] f32 of the batch's tokens (no gradient), aligned with loss_mask.
+  def ref_logprobs(self, ref_params, batch: RolloutBatch | PackedBatch | SFTBatch) -> jax.Array:
+    """Reference-model log-probs f32 of the batch's tokens (no gradient), aligned with loss_mask ([B, T-1]
+    padded, [R, K] packed).
 
     The output has `batch_sharding`, so `batch.replace(ref_logprobs=...)` stays placed. Pass a `place`d
     batch when `step` follows, or the host batch crosses twice.
     """
-    start = max(getattr(batch, "prompt_len", 0) - 1, 0)
+    layout = layouts.of(batch)
     batch = self.place(batch)
-    shape = (batch.tokens.shape[0], batch.tokens.shape[1] - 1)
-    if shape not in self._refs:
+    shape = tuple(batch.loss_mask.shape)
+    if (layout, shape) not in self._refs:
       # Exactly the batch layout (a constraint inside would drop the trailing None from the spec), so the
       # output joins a placed batch without a reshard or a new step compile.
       out = {} if self.mesh is None else dict(out_shardings=self.batch_sharding(shape))
-      self._refs[shape] = jax.jit(self._ref_logprobs, static_argnums=3, **out)
+      self._refs[layout, shape] = jax.jit(self._ref_logprobs, static_argnums=2, **out)
     with self._ctx():
-      return self._refs[shape](ref_params, batch.tokens, batch.input_mask, start)
+      return self._refs[layout, shape](ref_params, layout.inputs(batch), layout)
 
   # -- jitted bodies -------------------------------------------------------------------------------------------
-  def _ref_logprobs(self, params, tokens, input_mask, start=0):
+  def _ref_logprobs(self, params, x: dict, layout: layouts.Layout):
     return self._rows_in_micro_batches(
-        lambda t, im: models.token_logprobs(params, self.model_cfg, t, input_mask=im.astype(bool), chunk=self.chunk,
-                                           temperature=self.temperature, start=start),
-        tokens, input_mask)
+        lambda mb: layout.logprobs(params, self.model_cfg, mb, chunk=self.chunk, temperature=self.temperature), x)
 
-  def _rl_step(self, state: TrainState, batch: RolloutBatch):
+  def _rl_step(self, state: TrainState, batch: RolloutBatch | PackedBatch):
     old = None
     ppo = self.algo.has_value_model
+    layout = layouts.of(batch)
     if (batch.advantages is None or ppo) and rl.kl_reward_old_logprobs(self.algo):
       # KL in the reward is measured from the old policy (the params at step start), not the sampler.
-      old = self._ref_logprobs(state.params, batch.tokens, batch.input_mask, max(batch.prompt_len - 1, 0))
+      old = self._ref_logprobs(state.params, layout.inputs(batch), layout)
     targets = None
     if ppo:
       targets = self._value_targets(state.critic.params, batch, old)
       if batch.advantages is None:
         batch = batch.replace(advantages=targets["advantages"])
     inputs = rl.loss_inputs(self.algo, batch, self.group_size, old)
-    num_tokens, num_seqs = algorithms.denominators(inputs.loss_mask)
+    num_tokens, num_seqs = algorithms.denominators(inputs.loss_mask, layout.segments(inputs.model))
 
     def loss_fn(params, mb):
       return rl.rl_loss(params, self.model_cfg, self.algo, mb, num_tokens=num_tokens, num_seqs=num_seqs,
-                        num_rows=batch.batch_size, chunk=self.chunk, temperature=self.temperature,
-                        start=max(batch.prompt_len - 1, 0))
+                        num_rows=batch.batch_size, chunk=self.chunk, temperature=self.temperature, layout=layout)
 
     n = self.num_micro_batches(*batch.tokens.shape)
     grads, loss, stacked = accumulate_gradients(loss_fn, state.params, inputs, n)
@@ -263,41 +270,43 @@ class Trainer:
     return new_state, metrics
 
   # -- PPO's value model (rlax.trainer.critic) -------------------------------------------------------------------
-  def _rows_in_micro_batches(self, fn, tokens, input_mask):
-    """fn(tokens, input_mask) -> [rows, T-1], computed micro-batch by micro-batch like the loss."""
-    n = self.num_micro_batches(*tokens.shape)
+  def _rows_in_micro_batches(self, fn, x: dict):
+    """fn(inputs of some rows) -> [rows, S], computed micro-batch by micro-batch like the loss."""
+    rows = x["tokens"].shape[0]
+    n = self.num_micro_batches(*x["tokens"].shape)
     if n == 1:
-      return fn(tokens, input_mask)
-    out = jax.lax.scan(lambda c, mb: (c, fn(*mb)), None, split_micro_batches((tokens, input_mask), n))[1]
-    return jnp.moveaxis(out, 0, 1).reshape(tokens.shape[0], -1)
+      return fn(x)
+    out = jax.lax.scan(lambda c, mb: (c, fn(mb)), None, split_micro_batches(x, n))[1]
+    return jnp.moveaxis(out, 0, 1).reshape(rows, -1)
 
-  def _value_targets(self, critic_params, batch: RolloutBatch, old_logprobs) -> dict:
-    """Old values, GAE advantages and returns [B, T-1] of the batch under the critic at step start."""
-    algo, start = self.algo, max(batch.prompt_len - 1, 0)
+  def _value_targets(self, critic_params, batch: RolloutBatch | PackedBatch, old_logprobs) -> dict:
+    """Old values, GAE advantages and returns (per slot) of the batch under the critic at step start."""
+    algo, layout = self.algo, layouts.of(batch)
+    x = layout.inputs(batch)
+    seg = layout.segments(x)
     m = batch.loss_mask.astype(jnp.float32)
     v_old = jax.lax.stop_gradient(self._rows_in_micro_batches(
-        lambda t, im: critic_lib.values(critic_params, self.model_cfg, t, im.astype(bool), start=start),
-        batch.tokens, batch.input_mask)) * m
+        lambda mb: layout.values(critic_params, self.model_cfg, mb), x)) * m
     kl = None
     if algo.kl_coef > 0 and algo.kl_in_reward:
       if batch.ref_logprobs is None:
         raise ValueError(f"{algo.name}: kl_in_reward needs batch.ref_logprobs (fill with Trainer.ref_logprobs)")
       old = old_logprobs if old_logprobs is not None else batch.behaviour_logprobs
       kl = algorithms.kl_estimate(jax.lax.stop_gradient(old), batch.ref_logprobs, algo.kl_estimator) * m
-    rewards = critic_lib.token_rewards(batch.rewards, m, kl, algo.kl_coef)
-    adv, ret = critic_lib.advantages(rewards, v_old, m, algo.gamma, algo.lam)
+    rewards = critic_lib.token_rewards(batch.rewards, m, kl, algo.kl_coef, segments=seg)
+    adv, ret = critic_lib.advantages(rewards, v_old, m, algo.gamma, algo.lam, segments=seg)
     return {"old_values": v_old, "returns": ret, "advantages": adv}
 
-  def _critic_update(self, state: TrainState, new_state: TrainState, batch: RolloutBatch, targets: dict):
+  def _critic_update(self, state: TrainState, new_state: TrainState, batch, targets: dict):
     """One critic update on the clipped value loss; during the value warm-up the policy update is dropped."""
-    algo, m = self.algo, batch.loss_mask.astype(jnp.float32)
+    algo, m, layout = self.algo, batch.loss_mask.astype(jnp.float32), layouts.of(batch)
     num_tokens = jnp.sum(m)
-    inputs = {"tokens": batch.tokens, "input_mask": batch.input_mask, "loss_mask": m,
-              "old_values": targets["old_values"], "returns": targets["returns"]}
+    inputs = {"model": layout.inputs(batch), "loss_mask": m, "old_values": targets["old_values"],
+              "returns": targets["returns"]}
 
     def loss_fn(cparams, mb):
       return critic_lib.value_loss(cparams, self.model_cfg, mb, clip=algo.value_clip, num_tokens=num_tokens,
-                                   start=max(batch.prompt_len - 1, 0))
+                                   layout=layout)
 
     grads, vloss, stacked = accumulate_gradients(loss_fn, state.critic.params, inputs,
                                                  self.num_micro_batches(*batch.tokens.shape))

@@ -1,0 +1,83 @@
+"""The trainer's two batch layouts: padded rows (`RolloutBatch`) and packed rows (`PackedBatch`).
+
+Both hand the objective per-slot arrays [rows, S] and the `Segments` that say which sequence each slot
+belongs to; the model runs once here for either, and the log-prob and value heads see only the hidden
+states of scored slots. Padded: S = T - 1 (slot t scores token t+1; slots before `start` are 0 and not
+computed). Packed: S = K scored slots a row, gathered from the rows' hidden states by `score_index`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from rlax import algorithms
+from rlax import models
+from rlax.trainer.batch import PackedBatch, RolloutBatch, SFTBatch
+
+_PADDED = ("tokens", "input_mask")
+_PACKED = ("tokens", "positions", "segment_ids", "parents", "score_index", "targets", "seq")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """packed: which layout; start: the padded layout's first computed slot; seqs: sequences of a packed batch;
+  max_len: the response budget (Dr. GRPO's default normalizer)."""
+  packed: bool
+  start: int = 0
+  seqs: int = 0
+  max_len: int = 0
+
+  def inputs(self, batch) -> dict:
+    """The per-row arrays the forward needs (split into micro-batches with the rest of the loss inputs)."""
+    return {k: getattr(batch, k) for k in (_PACKED if self.packed else _PADDED)}
+
+  def hidden(self, params, cfg: models.ModelConfig, x: dict) -> tuple[jax.Array, jax.Array]:
+    """Final-normed hidden states of the scored slots [rows, S', D] and their target tokens [rows, S']."""
+    if self.packed:
+      h, _ = models.hidden_states(params, cfg, x["tokens"], positions=x["positions"],
+                                  segment_ids=x["segment_ids"], parents=x["parents"])
+      return jnp.take_along_axis(h, x["score_index"][..., None], axis=1), x["targets"]
+    h, _ = models.hidden_states(params, cfg, x["tokens"], input_mask=x["input_mask"].astype(bool), start=self.start)
+    return h[:, :-1], x["tokens"][:, self.start + 1:]
+
+  def per_slot(self, head: Callable, params, cfg: models.ModelConfig, x: dict):
+    """head(hidden [rows, S', D], targets [rows, S']) -> tuple of [rows, S'] arrays, placed on all S slots."""
+    outs = head(*self.hidden(params, cfg, x))
+    if self.packed or not self.start:
+      return outs
+    return tuple(jnp.pad(o, ((0, 0), (self.start, 0))) for o in outs)
+
+  def logprobs(self, params, cfg: models.ModelConfig, x: dict, *, chunk: int, temperature: float,
+               with_entropy: bool = False):
+    """Log-prob of each slot's token ([rows, S] f32), and entropies when `with_entropy`."""
+    w = models.lm_head(params, cfg)
+
+    def head(h, t):
+      out = models.logprobs_from_hidden(h, w, t, temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+      return out if with_entropy else (out,)
+
+    out = self.per_slot(head, params, cfg, x)
+    return out if with_entropy else out[0]
+
+  def values(self, critic: dict, cfg: models.ModelConfig, x: dict) -> jax.Array:
+    """PPO's value head on every slot ([rows, S] f32): V(tokens up to the slot)."""
+    head = lambda h, _: (jnp.einsum("btd,d->bt", h.astype(jnp.float32), critic["head"]["w"]) + critic["head"]["b"],)
+    return self.per_slot(head, critic["trunk"], cfg, x)[0]
+
+  def segments(self, x: dict) -> algorithms.Segments:
+    """Which sequence each slot of `x` (a batch's or a micro-batch's inputs) belongs to."""
+    return algorithms.Segments(x["seq"], self.seqs) if self.packed else algorithms.Segments.rows()
+
+
+def of(batch) -> Layout:
+  """The layout of a RolloutBatch, SFTBatch or PackedBatch (arrays or ShapeDtypeStructs)."""
+  if isinstance(batch, PackedBatch):
+    return Layout(packed=True, seqs=batch.batch_size, max_len=batch.max_len)
+  if isinstance(batch, (RolloutBatch, SFTBatch)):
+    start = max(getattr(batch, "prompt_len", 0) - 1, 0)
+    return Layout(packed=False, start=start, max_len=batch.tokens.shape[1] - 1 - start)
+  raise TypeError(f"not a trainer batch: {type(batch).__name__}")
