@@ -32,7 +32,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                                entropy_coef=0.0, overrides={}))
   c.optimizer = ml_collections.ConfigDict(dict(lr=1e-5, warmup_steps=0, schedule="constant",
                                                weight_decay=0.0, b1=0.9, b2=0.999, clip_norm=1.0,
-                                               micro_batches=1, micro_batch_tokens=0))
+                                               micro_batches=1, micro_batch_tokens=0,
+                                               pack_tokens=-1, share_prompts=True))
 
   c.rollout = ml_collections.ConfigDict(dict(
       prompts_per_step=16,

@@ -122,6 +122,12 @@ def trainer(run: RunConfig, mesh) -> Trainer:
                  micro_batches=o.micro_batches, micro_batch_tokens=o.micro_batch_tokens, temperature=r.temperature)
 
 
+def pack_len(run: RunConfig) -> int:
+  """Tokens per packed trainer row (0: padded rows); optimizer.pack_tokens = -1 is the padded row length."""
+  p = run.optimizer.pack_tokens
+  return run.rollout.max_prompt_len + run.rollout.max_new_tokens if p == -1 else p
+
+
 def sft_trainer(run: RunConfig, mesh) -> Trainer:
   # The warm start trains only the policy: no RL objective, so no value model (PPO's critic) is built.
   return Trainer(run.model, AlgorithmConfig(), OptimizerConfig(lr=run.init.sft_lr, warmup_steps=10), mesh,

@@ -46,6 +46,10 @@ class OptimizerSection:
   clip_norm: float = 1.0
   micro_batches: int = 1
   micro_batch_tokens: int = 0
+  # Rows of packed real tokens the trainer computes on (rlax.rollout.packing.pack_tokens): -1 = the
+  # padded row length (max_prompt_len + max_new_tokens), 0 = padded rows (no packing).
+  pack_tokens: int = -1
+  share_prompts: bool = True     # a group's responses attend to one copy of their prompt
 
   def optimizer(self, total_steps: int) -> OptimizerConfig:
     return OptimizerConfig(lr=self.lr, schedule=self.schedule, warmup_steps=self.warmup_steps,
@@ -390,6 +394,9 @@ def validate(run: RunConfig) -> None:
        f"optimizer.micro_batches={o.micro_batches} does not divide the batch of {r.rows} rows "
        "(rollout.prompts_per_step x samples_per_prompt)"),
       (o.micro_batch_tokens >= 0, f"optimizer.micro_batch_tokens={o.micro_batch_tokens} must be >= 0"),
+      (o.pack_tokens in (-1, 0) or o.pack_tokens >= r.max_prompt_len + r.max_new_tokens,
+       f"optimizer.pack_tokens={o.pack_tokens} is shorter than the longest sequence, rollout.max_prompt_len + "
+       f"max_new_tokens = {r.max_prompt_len + r.max_new_tokens}: raise it (or -1: that length, 0: no packing)"),
       (o.schedule in ("constant", "cosine"), f"optimizer.schedule={o.schedule!r}: use 'constant' or 'cosine'"),
       (o.lr > 0, f"optimizer.lr={o.lr} must be > 0"),
       (e.n_samples >= 1, f"eval.n_samples={e.n_samples} must be >= 1"),

@@ -190,6 +190,13 @@ def pack_tokens(batch: RolloutBatch, row_len: int, *, share_prompts: bool = True
                      max_len=batch.tokens.shape[1] - batch.prompt_len)
 
 
+def for_trainer(batch: RolloutBatch, trainer, row_len: int, share_prompts: bool = True):
+  """The rollout as `trainer` computes it: packed rows of `row_len` real tokens in its row buckets (0: as is)."""
+  if not row_len:
+    return batch
+  return pack_tokens(batch, row_len, share_prompts=share_prompts, row_multiple=trainer.packed_rows_multiple(row_len))
+
+
 def unpack_slots(values: np.ndarray, packed: PackedBatch, like: RolloutBatch) -> np.ndarray:
   """Scored-slot values [R, K] of `packed` back at their places [B, T-1] of the padded batch `like`."""
   values, seq = np.asarray(values), np.asarray(packed.seq)

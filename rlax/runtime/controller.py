@@ -245,7 +245,8 @@ class Controller:
             f"({', '.join(sorted({str(x) for x in rewards[~np.isfinite(rewards)]}))}; check the reward function)")
         m = {}
         if bad is None:
-          batch = self.trainer.place(item.data)
+          batch = self.trainer.place(packing.for_trainer(item.data, self.trainer, builders.pack_len(run),
+                                                         run.optimizer.share_prompts))
           if ref_params is not None:
             batch = batch.replace(ref_logprobs=self.trainer.ref_logprobs(ref_params, batch))
           state, m = self.trainer.step(state, batch)

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -172,6 +173,13 @@ class Trainer:
     params = jax.device_put(params, shardings.params)
     with self._ctx():
       return jax.jit(self._new_state, out_shardings=shardings)(params, trunk)
+
+  def packed_rows_multiple(self, row_len: int) -> int:
+    """Packed batches have a multiple of this many rows of `row_len` tokens: whole rows for every row shard
+    and micro-batch, so a row count is one bucket per micro-batch count (rlax.rollout.packing.pack_tokens)."""
+    shards = 1 if self.mesh is None else shd.row_shards(self.mesh, int(np.prod(list(self.mesh.shape.values()))))
+    per_mb = max(1, self.micro_batch_tokens // row_len) if self.micro_batch_tokens else 1
+    return shards * self.micro_batches * per_mb
 
   def num_micro_batches(self, rows: int, seq_len: int) -> int:
     """Micro-batches of a [rows, seq_len] batch: `micro_batches`, raised to meet `micro_batch_tokens`."""
