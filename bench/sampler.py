@@ -84,12 +84,6 @@ def median_time(fn, reps):
   return times[len(times) // 2]
 
 
-def w4_limits(n: int, seed: int = 0) -> np.ndarray:
-  """Per-request max new tokens: log-normal, median 64, sigma 1, clipped to [8, 1024]."""
-  x = np.random.default_rng(seed).lognormal(mean=np.log(64), sigma=1.0, size=n)
-  return np.clip(np.round(x), 8, 1024).astype(np.int64)
-
-
 def hf_continuous(model, prompts, samples, limits):
   """transformers' continuous batching over one request per row (prompt-major) with its own limit → seconds."""
   import transformers
@@ -124,7 +118,7 @@ def hf_continuous(model, prompts, samples, limits):
 
 def main_w4(params, cfg, prompts, S, jax, using_tcmalloc):
   samples = FLAGS.samples
-  limits = w4_limits(FLAGS.prompts * samples)
+  limits = workload.w4_limits(FLAGS.prompts * samples)
   n_new, useful = int(limits.max()), int(limits.sum())
   engine = S.Sampler(cfg, max_prompt_len=FLAGS.prompt_len, max_new_tokens=n_new, slots=FLAGS.slots,
                      decode_chunk=FLAGS.chunk, params=params)

@@ -58,6 +58,13 @@ def matmul_params(cfg) -> int:
   return l * (d * (h + 2 * k) * dh + h * dh * d + 3 * d * f) + d * v
 
 
+def w4_limits(n: int, seed: int = 0):
+  """Per-request max new tokens: log-normal, median 64, sigma 1, clipped to [8, 1024] (W4's and W7's)."""
+  import numpy as np
+  x = np.random.default_rng(seed).lognormal(mean=np.log(64), sigma=1.0, size=n)
+  return np.clip(np.round(x), 8, 1024).astype(np.int64)
+
+
 W5 = dict(vocab=49152, d_model=576, layers=30, heads=9, kv_heads=3, head_dim=64, mlp=1536, prompts=8, samples=8)
 
 

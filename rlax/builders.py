@@ -123,9 +123,33 @@ def trainer(run: RunConfig, mesh) -> Trainer:
 
 
 def pack_len(run: RunConfig) -> int:
-  """Tokens per packed trainer row (0: padded rows); optimizer.pack_tokens = -1 is the padded row length."""
-  p = run.optimizer.pack_tokens
-  return run.rollout.max_prompt_len + run.rollout.max_new_tokens if p == -1 else p
+  """Tokens per packed trainer row (0: padded rows). optimizer.pack_tokens = -1: room for a whole group (one
+  prompt + its G responses, when prompts are shared), as long as attending over the row costs at most a
+  quarter of a token's matmul FLOPs; never shorter than the padded row."""
+  p, r = run.optimizer.pack_tokens, run.rollout
+  if p != -1:
+    return p
+  return packing.auto_row_len(run.model, r.max_prompt_len, r.max_new_tokens, r.samples_per_prompt,
+                              run.optimizer.share_prompts)
+
+
+def packed_shape(run: RunConfig, trainer: Trainer) -> tuple[int, int, int]:
+  """(rows, row length, scored slots) of the largest packed batch `run` makes: every sequence at its full
+  length and none sharing a prompt (what memory and the plan are sized for)."""
+  r, L = run.rollout, pack_len(run)
+  per_row = max(1, L // (r.max_prompt_len + r.max_new_tokens))
+  m = trainer.packed_rows_multiple(L)
+  rows = -(-(-(-r.rows // per_row)) // m) * m
+  return rows, L, packing.slot_bucket(per_row * r.max_new_tokens, L)
+
+
+def abstract_train_batch(run: RunConfig, trainer: Trainer):
+  """The largest batch `run` trains on, as `trainer.place` lays it out (ShapeDtypeStructs): packed rows
+  (`packed_shape`) or, with optimizer.pack_tokens = 0, padded ones. Memory and the plan are sized for it."""
+  r, kl = run.rollout, run.algorithm.kl_coef > 0
+  if pack_len(run):
+    return trainer.abstract_packed(*packed_shape(run, trainer), r.rows, with_ref=kl, max_len=r.max_new_tokens)
+  return trainer.abstract_batch(r.rows, r.max_prompt_len + r.max_new_tokens, with_ref=kl, prompt_len=r.max_prompt_len)
 
 
 def sft_trainer(run: RunConfig, mesh) -> Trainer:

@@ -154,11 +154,13 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   cfg, r = run.model, run.rollout
   trainer = builders.trainer(run, mesh)  # the runtime's own layouts
   state = trainer.abstract_state()
-  seq = r.max_prompt_len + r.max_new_tokens
+  seq, rows_all, slots = r.max_prompt_len + r.max_new_tokens, r.rows, r.max_new_tokens
   kl = run.algorithm.kl_coef > 0
-  batch = trainer.abstract_batch(r.rows, seq, with_ref=kl, prompt_len=r.max_prompt_len)
-  n_micro = trainer.num_micro_batches(r.rows, seq)
-  rows = r.rows // shd.row_shards(mesh, r.rows) // n_micro  # per device, per micro-batch
+  batch = builders.abstract_train_batch(run, trainer)
+  if builders.pack_len(run):  # packed rows of real tokens, sized at their largest (builders.packed_shape)
+    rows_all, seq, slots = builders.packed_shape(run, trainer)
+  n_micro = trainer.num_micro_batches(rows_all, seq)
+  rows = rows_all // shd.row_shards(mesh, rows_all) // n_micro  # per device, per micro-batch
   live = 1  # micro-batches are a scan: one is live (rlax.trainer.state.accumulate_gradients)
   tensor = dict(mesh.shape)["tensor"]
   isz = _act_itemsize(cfg, platform)
@@ -172,7 +174,7 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
     acts = cfg.n_layers * rows * seq * cfg.d_model * isz + one_layer
   else:
     acts = cfg.n_layers * one_layer
-  positions = min(trainer.chunk, r.max_new_tokens)  # scored positions per log-prob chunk
+  positions = min(trainer.chunk, slots)  # scored positions per log-prob chunk
   copies = _TIED_LOGIT_COPIES if cfg.tie_embeddings else _LOGIT_COPIES
   logits = copies * rows * positions * _split(cfg.vocab_size, tensor) * 4
   notes.update({
@@ -180,7 +182,7 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
       "trainer.opt_state": "AdamW moments (dtype and layout of the params)",
       "trainer.grads": f"{cfg.param_dtype}" + (f", + running sum over {n_micro} micro-batches" if n_micro > 1 else ""),
       "trainer.ref_params": "reference policy (algorithm.kl_coef > 0)" if kl else "none (algorithm.kl_coef = 0)",
-      "trainer.batch": f"{r.rows} rows x {seq} tokens",
+      "trainer.batch": f"{rows_all} {'packed ' if builders.pack_len(run) else ''}rows x {seq} tokens",
       "trainer.activations": (f"{live} live of {n_micro} micro-batch(es) of {rows} rows x {seq} tokens per device, "
                               + ("remat" if remat else "no remat" + (" (remat needs scan_layers on CPU)"
                                                                     if cfg.remat else ""))),

@@ -153,11 +153,7 @@ def build_sampler(c: config_lib.RunConfig, mesh: Mesh, scan: bool | None = None)
 def trainer_program(c: config_lib.RunConfig, trainer: Trainer, chip: Chip) -> jax.stages.Lowered:
   """`trainer`'s RL step lowered for one global batch; fails fast (before a compile that takes minutes at 32B)
   when the train state alone exceeds HBM."""
-  r = c.rollout
-  rows = r.rows
-  # Rollouts are packed with the prompt in the first max_prompt_len slots (rollout.pack).
-  batch = trainer.abstract_batch(rows, r.max_prompt_len + r.max_new_tokens, with_ref=c.algorithm.kl_coef > 0,
-                                 prompt_len=r.max_prompt_len)
+  batch = builders.abstract_train_batch(c, trainer)
   state = trainer.abstract_state()
   resident = sum(_shard_bytes(x) for x in jax.tree.leaves(state))
   if resident > chip.hbm_bytes:

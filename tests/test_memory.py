@@ -95,9 +95,7 @@ def test_estimate_within_factor_of_compiled_programs(case):
   r = run.rollout
   devs = jax.devices()
   trainer = builders.trainer(run, _mesh(run, "trainer", devs[:n_t]))
-  seq = r.max_prompt_len + r.max_new_tokens
-  step = trainer.lower_step(trainer.abstract_state(), trainer.abstract_batch(
-      r.rows, seq, with_ref=run.algorithm.kl_coef > 0, prompt_len=r.max_prompt_len)).compile()
+  step = trainer.lower_step(trainer.abstract_state(), builders.abstract_train_batch(run, trainer)).compile()
   ratio = (est.trainer_bytes - est.trainer["ref_params"]) / _peak(step)
   assert LOW <= ratio <= HIGH, (case, "trainer", ratio, est.summary())
 
@@ -133,8 +131,7 @@ def test_peak_memory_falls_as_micro_batch_tokens_fall():
     run = _run(model=dict(vocab_size=512, n_layers=2), optimizer=dict(micro_batch_tokens=tokens))
     r = run.rollout
     trainer = builders.trainer(run, None)
-    step = trainer.lower_step(trainer.abstract_state(), trainer.abstract_batch(
-        r.rows, r.max_prompt_len + r.max_new_tokens, with_ref=False, prompt_len=r.max_prompt_len)).compile()
+    step = trainer.lower_step(trainer.abstract_state(), builders.abstract_train_batch(run, trainer)).compile()
     peaks.append(_peak(step))
     ests.append(memory.estimate(run, 1, 1).trainer_bytes)
     assert trainer.num_micro_batches(r.rows, 128) == max(1, 2048 // max(tokens, 1) if tokens else 1)

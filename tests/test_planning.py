@@ -13,6 +13,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import paper_qwq32b
+from rlax import builders
+from rlax import config as config_lib
 from rlax import models as M
 from rlax import planning
 from rlax.multihost import transport_spec
@@ -61,10 +63,15 @@ def test_trainer_memory_matches_parameter_count(local_plan):
   shapes = jax.eval_shape(lambda: M.init_params(cfg, jax.random.key(0)))
   shard = M.param_shardings(cfg, mesh)
   params = sum(_shard_bytes(s.shape, s.dtype, sh) for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shard)))
-  rows, seq = 16, 32
+  # The packed rows of real tokens at their largest: 4 int32 [R, L] model inputs, 3 int32 and 2 (3 with a
+  # reference) f32 [R, K] scored-slot fields, 3 per-sequence [16] fields.
+  run = config_lib.load(c)
+  R, L, K = builders.packed_shape(run, builders.trainer(run, mesh))
+  assert (R, L) == (16, 32) or L >= 32, (R, L, K)
   row_sh = NamedSharding(mesh, P(("data", "fsdp")))
-  batch = (_shard_bytes((rows, seq), jnp.int32, row_sh) + _shard_bytes((rows, seq), jnp.bool_, row_sh)
-           + 2 * _shard_bytes((rows, seq - 1), jnp.float32, row_sh) + 3 * _shard_bytes((rows,), jnp.int32, row_sh))
+  f32_slots = 3 if run.algorithm.kl_coef > 0 else 2
+  batch = (4 * _shard_bytes((R, L), jnp.int32, row_sh) + (3 + f32_slots) * _shard_bytes((R, K), jnp.int32, row_sh)
+           + 3 * _shard_bytes((16,), jnp.int32, row_sh))
   got = {p["name"]: p for p in t["programs"]}["trainer_step"]["argument_bytes"]
   # jit prunes batch fields the loss does not read (e.g. versions); step and optimizer counts are scalars.
   assert 3 * params < got <= 3 * params + batch + 64, (got, params, batch)

@@ -14,6 +14,7 @@ and `lower_step`, which share their layouts with `init_state` and `place`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Callable, Optional
 
@@ -79,6 +80,8 @@ class Trainer:
     self._rl = jax.jit(self._rl_step, donate_argnums=0, **out)
     self._sft = jax.jit(self._sft_step, donate_argnums=0, **out)
     self._refs: dict[tuple, Callable] = {}  # jitted reference log-probs per (layout, output shape)
+    # Traces of the jitted bodies (each is a compile): steady state must add none.
+    self.traces: collections.Counter = collections.Counter()
 
   # -- layouts (shared by the runtime and the planner) -----------------------------------------------------------
   def _ctx(self):
@@ -241,10 +244,12 @@ class Trainer:
 
   # -- jitted bodies -------------------------------------------------------------------------------------------
   def _ref_logprobs(self, params, x: dict, layout: layouts.Layout):
+    self.traces["ref_logprobs"] += 1
     return self._rows_in_micro_batches(
         lambda mb: layout.logprobs(params, self.model_cfg, mb, chunk=self.chunk, temperature=self.temperature), x)
 
   def _rl_step(self, state: TrainState, batch: RolloutBatch | PackedBatch):
+    self.traces["rl_step"] += 1
     old = None
     ppo = self.algo.has_value_model
     layout = layouts.of(batch)

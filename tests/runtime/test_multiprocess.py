@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from rlax.runtime import Controller
@@ -66,3 +67,27 @@ def test_two_process_run_survives_a_kill_and_equals_one_process(tmp_path, refere
   assert summary["processes"] == 2 and summary["steps"] == 6 and not summary["preempted"]
   assert "resumed from checkpoint step" in (tmp_path / "logs" / "process_0.log").read_text()
   assert summary["params_sha256"] == reference["params_sha256"]
+
+
+def test_two_process_packed_update_equals_one_process_padded(tmp_path):
+  """The trainer's packed rows (the default) in a 2-process job: the first update's metrics and parameters
+  equal the padded rows' of a 1-process run (f32; AdamW's ~lr * sign(g) step compared at 1e-3 of lr)."""
+  from safetensors.numpy import load_file
+  over = {"deterministic": True, "controller.steps": 1, "controller.max_staleness": 0}
+  padded = Controller(tiny_config(tmp_path / "padded", **over, **{"optimizer.pack_tokens": 0}), progress=False).run()
+  workdir = tmp_path / "packed"
+  cmd = [sys.executable, "-m", "launch.multihost", "--num_processes=2", f"--process_logs={tmp_path}/logs", "--",
+         sys.executable, "-m", "launch.main", "--cpu_devices=4", "--progress=false", "--config=configs/demo.py:tiny",
+         f"--config.workdir={workdir}", *[f"--config.{k}={v}" for k, v in over.items()]]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+  assert job.returncode == 0, job.stderr[-3000:]
+  rows = [json.loads((w / "logs" / "metrics.jsonl").read_text().splitlines()[0])
+          for w in (tmp_path / "padded", workdir)]
+  for k in ("loss", "pg_loss", "grad_norm", "entropy", "ratio_mean", "tokens", "logp_diff_mean"):
+    np.testing.assert_allclose(rows[1][k], rows[0][k], rtol=1e-5, atol=1e-6, err_msg=k)
+  a = load_file(os.path.join(padded["export_dir"], "model.safetensors"))
+  b = load_file(str(workdir / "export" / "model.safetensors"))
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-3 * 1e-4, err_msg=k)
