@@ -90,7 +90,9 @@ def test_objective_packed_equals_padded(params, shared, name, kw):
   assert float(jnp.abs(jax.tree.leaves(want[2])[0]).sum()) > 0  # the gradient is not trivially zero
 
 
-@pytest.mark.parametrize("name,kw", _algorithms(), ids=lambda a: str(a))
+# End to end for every registered algorithm (the variants' objectives are covered above) and PPO's KL reward.
+@pytest.mark.parametrize("name,kw", [(n, {}) for n in A.known_algorithms()] + [("ppo", dict(kl_coef=0.05,
+                         kl_in_reward=True))], ids=lambda a: str(a))
 def test_trainer_step_packed_equals_padded(params, name, kw):
   """Trainer.step end to end (advantages, PPO's value model and GAE, metrics, the AdamW update) on 2 devices."""
   algo = A.get_algorithm(name, **kw)
