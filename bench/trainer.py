@@ -29,7 +29,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
