@@ -51,7 +51,7 @@ flags.DEFINE_enum("workload", "w2", ["w2", "w7", "chat"], "w2: fixed lengths; w7
                   "SmolLM2-shape multi-turn prompts (see the module doc)")
 flags.DEFINE_bool("pack", False, "w2: train on packed rows (w7 and chat always time them)")
 flags.DEFINE_integer("pack_tokens", -1, "packed row length (-1: as the runtime chooses, "
-                     "rlax.rollout.packing.auto_row_len)")
+                     "rlax.rollout.packing.auto_row_lens)")
 flags.DEFINE_bool("share_prompts", True, "packed rows: a group's responses attend to one copy of its prompt")
 flags.DEFINE_bool("compare_padded", True, "w7/chat: also time the padded step, alternating in the same run")
 FLAGS = flags.FLAGS
@@ -157,11 +157,12 @@ def main(_):
                     mesh, group_size=FLAGS.samples, micro_batches=FLAGS.micro_batches,
                     micro_batch_tokens=FLAGS.micro_batch_tokens, logprob_chunk=FLAGS.chunk)
   state = trainer.init_state(params)
-  row_len = (packing.auto_row_len(cfg, FLAGS.prompt_len, T - FLAGS.prompt_len, FLAGS.samples, FLAGS.share_prompts)
-             if FLAGS.pack_tokens == -1 else FLAGS.pack_tokens)
-  packed = packing.for_trainer(padded, trainer, row_len, FLAGS.share_prompts)
+  row_lens = (packing.auto_row_lens(cfg, FLAGS.prompt_len, T - FLAGS.prompt_len, FLAGS.samples, FLAGS.share_prompts)
+              if FLAGS.pack_tokens == -1 else FLAGS.pack_tokens)
+  packed = packing.for_trainer(padded, trainer, row_lens, FLAGS.share_prompts)
   real = int(np.asarray(padded.input_mask).sum())
-  layouts = {"packed": packed} if FLAGS.workload != "w2" or FLAGS.pack else {}
+  kept = isinstance(packed, RolloutBatch)  # nothing to drop: the runtime keeps such a batch padded
+  layouts = {"packed": packed} if (FLAGS.workload != "w2" or FLAGS.pack) and not kept else {}
   if FLAGS.workload == "w2" or FLAGS.compare_padded:
     layouts["padded"] = padded
 
@@ -191,7 +192,7 @@ def main(_):
          "step_s": round(step_s, 4), "first_step_s": round(first.get("padded", first.get("packed")), 3),
          "tokens_per_s": round(B * T / step_s, 1), "matmul_peak_flops_per_s": round(peak, 1),
          "micro_batches": trainer.num_micro_batches(B, T), "devices": FLAGS.devices, "tcmalloc": using_tcmalloc(),
-         "backend": jax.default_backend()}
+         "backend": jax.default_backend(), "packing": "kept padded" if kept else "packed"}
   if "padded" in med:
     flops = step_flops(cfg, B, T, FLAGS.prompt_len)
     out.update(padded_step_s=round(med["padded"], 4), flops_per_step=flops, flops_per_s=round(flops / med["padded"], 1),

@@ -122,25 +122,31 @@ def trainer(run: RunConfig, mesh) -> Trainer:
                  micro_batches=o.micro_batches, micro_batch_tokens=o.micro_batch_tokens, temperature=r.temperature)
 
 
-def pack_len(run: RunConfig) -> int:
-  """Tokens per packed trainer row (0: padded rows). optimizer.pack_tokens = -1: room for a whole group (one
-  prompt + its G responses, when prompts are shared), as long as attending over the row costs at most a
-  quarter of a token's matmul FLOPs; never shorter than the padded row."""
+def pack_lens(run: RunConfig) -> tuple[int, ...]:
+  """Packed trainer row lengths to choose from per batch (rlax.rollout.packing.for_trainer); () for padded
+  rows (optimizer.pack_tokens = 0). -1: the padded row length and room for a whole group (auto_row_lens)."""
   p, r = run.optimizer.pack_tokens, run.rollout
   if p != -1:
-    return p
-  return packing.auto_row_len(run.model, r.max_prompt_len, r.max_new_tokens, r.samples_per_prompt,
-                              run.optimizer.share_prompts)
+    return (p,) if p else ()
+  return packing.auto_row_lens(run.model, r.max_prompt_len, r.max_new_tokens, r.samples_per_prompt,
+                               run.optimizer.share_prompts)
+
+
+def pack_len(run: RunConfig) -> int:
+  """The longest packed row length (0: padded rows)."""
+  return max(pack_lens(run), default=0)
 
 
 def packed_shape(run: RunConfig, trainer: Trainer) -> tuple[int, int, int]:
   """(rows, row length, scored slots) of the largest packed batch `run` makes: every sequence at its full
   length and none sharing a prompt (what memory and the plan are sized for)."""
-  r, L = run.rollout, pack_len(run)
-  per_row = max(1, L // (r.max_prompt_len + r.max_new_tokens))
-  m = trainer.packed_rows_multiple(L)
-  rows = -(-(-(-r.rows // per_row)) // m) * m
-  return rows, L, packing.slot_bucket(per_row * r.max_new_tokens, L)
+  r, seq = run.rollout, run.rollout.max_prompt_len + run.rollout.max_new_tokens
+  shapes = []
+  for L in pack_lens(run):
+    rows = packing.row_bucket(-(-r.rows // max(1, L // seq)), trainer.packed_rows_multiple())
+    # A longer row can hold up to L - 1 response slots (many answers after one short prompt).
+    shapes.append((rows, L, packing.slot_bucket(r.max_new_tokens if L < 2 * seq else L - 1, L)))
+  return max(shapes, key=lambda s: packing.row_cost(run.model, s[0], s[1]))
 
 
 def abstract_train_batch(run: RunConfig, trainer: Trainer):

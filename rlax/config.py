@@ -46,8 +46,8 @@ class OptimizerSection:
   clip_norm: float = 1.0
   micro_batches: int = 1
   micro_batch_tokens: int = 0
-  # Rows of packed real tokens the trainer computes on (rlax.rollout.packing.pack_tokens): -1 = the
-  # padded row length (max_prompt_len + max_new_tokens), 0 = padded rows (no packing).
+  # Rows of packed real tokens the trainer computes on (rlax.rollout.packing.pack_tokens): -1 = per batch the
+  # cheaper of the padded row length and a whole group's (packing.auto_row_lens), 0 = padded rows.
   pack_tokens: int = -1
   share_prompts: bool = True     # a group's responses attend to one copy of their prompt
 

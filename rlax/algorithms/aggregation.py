@@ -44,6 +44,8 @@ def aggregate(values: Float[Array, "B T"], mask: Float[Array, "B T"], mode: str,
   chex.assert_equal_shape([values, mask])
   m = mask.astype(jnp.float32)
   v = values * m
+  if segments.packed and (num_rows is None or max_len is None):
+    raise ValueError("aggregate: a packed batch needs num_rows (its sequences) and max_len (the response budget)")
   tok, seqs = denominators(m, segments)
   if mode == "token_mean":
     n = tok if num_tokens is None else num_tokens

@@ -245,7 +245,7 @@ class Controller:
             f"({', '.join(sorted({str(x) for x in rewards[~np.isfinite(rewards)]}))}; check the reward function)")
         m = {}
         if bad is None:
-          batch = self.trainer.place(packing.for_trainer(item.data, self.trainer, builders.pack_len(run),
+          batch = self.trainer.place(packing.for_trainer(item.data, self.trainer, builders.pack_lens(run),
                                                          run.optimizer.share_prompts))
           if ref_params is not None:
             batch = batch.replace(ref_logprobs=self.trainer.ref_logprobs(ref_params, batch))

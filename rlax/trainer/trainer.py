@@ -177,12 +177,11 @@ class Trainer:
     with self._ctx():
       return jax.jit(self._new_state, out_shardings=shardings)(params, trunk)
 
-  def packed_rows_multiple(self, row_len: int) -> int:
-    """Packed batches have a multiple of this many rows of `row_len` tokens: whole rows for every row shard
-    and micro-batch, so a row count is one bucket per micro-batch count (rlax.rollout.packing.pack_tokens)."""
+  def packed_rows_multiple(self) -> int:
+    """Packed batches have a multiple of this many rows: whole rows for every row shard and micro-batch
+    (rlax.rollout.packing.row_bucket); `micro_batch_tokens` then picks the micro-batch count as for padded rows."""
     shards = 1 if self.mesh is None else shd.row_shards(self.mesh, int(np.prod(list(self.mesh.shape.values()))))
-    per_mb = max(1, self.micro_batch_tokens // row_len) if self.micro_batch_tokens else 1
-    return shards * self.micro_batches * per_mb
+    return shards * self.micro_batches
 
   def num_micro_batches(self, rows: int, seq_len: int) -> int:
     """Micro-batches of a [rows, seq_len] batch: `micro_batches`, raised to meet `micro_batch_tokens`."""
@@ -235,6 +234,7 @@ class Trainer:
     batch = self.place(batch)
     shape = tuple(batch.loss_mask.shape)
     if (layout, shape) not in self._refs:
+      self.traces["ref_logprobs"] += 1
       # Exactly the batch layout (a constraint inside would drop the trailing None from the spec), so the
       # output joins a placed batch without a reshard or a new step compile.
       out = {} if self.mesh is None else dict(out_shardings=self.batch_sharding(shape))
@@ -244,7 +244,6 @@ class Trainer:
 
   # -- jitted bodies -------------------------------------------------------------------------------------------
   def _ref_logprobs(self, params, x: dict, layout: layouts.Layout):
-    self.traces["ref_logprobs"] += 1
     return self._rows_in_micro_batches(
         lambda mb: layout.logprobs(params, self.model_cfg, mb, chunk=self.chunk, temperature=self.temperature), x)
 
