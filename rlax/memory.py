@@ -154,11 +154,11 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   cfg, r = run.model, run.rollout
   trainer = builders.trainer(run, mesh)  # the runtime's own layouts
   state = trainer.abstract_state()
-  seq, rows_all, slots = r.max_prompt_len + r.max_new_tokens, r.rows, r.max_new_tokens
   kl = run.algorithm.kl_coef > 0
-  batch = builders.abstract_train_batch(run, trainer)
-  if builders.pack_len(run):  # packed rows of real tokens, sized at their largest (builders.packed_shape)
-    rows_all, seq, slots = builders.packed_shape(run, trainer)
+  batch = builders.abstract_train_batch(run, trainer)  # packed rows at their largest, or padded rows
+  rows_all, seq = batch.tokens.shape
+  packed = builders.pack_len(run) > 0
+  slots = batch.loss_mask.shape[1] if packed else r.max_new_tokens
   n_micro = trainer.num_micro_batches(rows_all, seq)
   rows = rows_all // shd.row_shards(mesh, rows_all) // n_micro  # per device, per micro-batch
   live = 1  # micro-batches are a scan: one is live (rlax.trainer.state.accumulate_gradients)
@@ -182,7 +182,7 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
       "trainer.opt_state": "AdamW moments (dtype and layout of the params)",
       "trainer.grads": f"{cfg.param_dtype}" + (f", + running sum over {n_micro} micro-batches" if n_micro > 1 else ""),
       "trainer.ref_params": "reference policy (algorithm.kl_coef > 0)" if kl else "none (algorithm.kl_coef = 0)",
-      "trainer.batch": f"{rows_all} {'packed ' if builders.pack_len(run) else ''}rows x {seq} tokens",
+      "trainer.batch": f"{rows_all} {'packed ' if packed else ''}rows x {seq} tokens",
       "trainer.activations": (f"{live} live of {n_micro} micro-batch(es) of {rows} rows x {seq} tokens per device, "
                               + ("remat" if remat else "no remat" + (" (remat needs scan_layers on CPU)"
                                                                     if cfg.remat else ""))),

@@ -144,11 +144,15 @@ def row_bucket(n: int, multiple: int = 1) -> int:
   return units * multiple
 
 
+def _layer_weights(cfg) -> int:
+  """Weights one transformer layer multiplies each token by (q, k, v, o, gate, up, down)."""
+  return (cfg.d_model * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * cfg.d_model
+          + 3 * cfg.d_model * cfg.mlp_dim)
+
+
 def row_cost(cfg, rows: int, row_len: int) -> float:
   """Relative trainer FLOPs of `rows` packed rows of `row_len` tokens: matmuls + attention over the row."""
-  layer = (cfg.d_model * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * cfg.d_model
-           + 3 * cfg.d_model * cfg.mlp_dim)
-  return rows * row_len * (2.0 * layer + 4.0 * row_len * cfg.n_heads * cfg.head_dim)
+  return rows * row_len * (2.0 * _layer_weights(cfg) + 4.0 * row_len * cfg.n_heads * cfg.head_dim)
 
 
 def pack_tokens(batch: RolloutBatch, row_len: int, *, share_prompts: bool = True, row_multiple: int = 1
@@ -156,10 +160,9 @@ def pack_tokens(batch: RolloutBatch, row_len: int, *, share_prompts: bool = True
   """The padded numpy batch as rows of `row_len` real tokens (first-fit decreasing), on the host.
 
   With share_prompts, the responses of one group whose prompts are equal follow one copy of the prompt and
-  attend to it (the same hidden states and gradients as separate copies, computed once). Rows are padded to
-  a multiple of `row_multiple` (one bucket per micro-batch count); scored slots per row to a power of two.
-  Sequences with no response token get no slots. Raises ValueError naming the knob if a sequence does not fit.
-  Rows: `row_bucket(rows, row_multiple)`.
+  attend to it (the same hidden states and gradients as separate copies, computed once). Rows are
+  `row_bucket(rows, row_multiple)`, scored slots per row `slot_bucket`. Sequences with no response token get
+  no slots. Raises ValueError naming the knob if a sequence does not fit.
   """
   batch.check()
   seqs = _sequences(batch)
@@ -226,9 +229,8 @@ def auto_row_lens(cfg, prompt_len: int, new_tokens: int, group: int, share_promp
   if not share_prompts:
     return (seq,)
   whole = -(-(prompt_len + group * new_tokens) // 128) * 128
-  layer = (cfg.d_model * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * cfg.d_model
-           + 3 * cfg.d_model * cfg.mlp_dim)
-  return tuple(sorted({seq, max(seq, min(whole, layer // (8 * cfg.n_heads * cfg.head_dim) // 128 * 128))}))
+  cap = _layer_weights(cfg) // (8 * cfg.n_heads * cfg.head_dim) // 128 * 128
+  return tuple(sorted({seq, max(seq, min(whole, cap))}))
 
 
 def for_trainer(batch: RolloutBatch, trainer, row_lens, share_prompts: bool = True):

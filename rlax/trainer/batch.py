@@ -35,6 +35,22 @@ def _check_dtype(kind: str, name: str, x) -> None:
     raise ValueError(f"{kind}.{name} has dtype {jnp.dtype(x.dtype).name}, expected {jnp.dtype(_DTYPES[name]).name}")
 
 
+def _check_fields(batch, want: dict, per_slot: tuple, seqs: int, suffix: str = "") -> None:
+  """Shapes and dtypes of `want`'s fields, of ref_logprobs (per slot) and of advantages ([seqs] or per slot)."""
+  kind = type(batch).__name__
+  if batch.ref_logprobs is not None:
+    want = {**want, "ref_logprobs": per_slot}
+  for name, shape in want.items():
+    got = tuple(getattr(batch, name).shape)
+    if got != shape:
+      raise ValueError(f"{kind}.{name} has shape {got}, expected {shape}{suffix}")
+    _check_dtype(kind, name, getattr(batch, name))
+  if batch.advantages is not None:
+    if tuple(batch.advantages.shape) not in ((seqs,), per_slot):
+      raise ValueError(f"{kind}.advantages has shape {batch.advantages.shape}, expected {(seqs,)} or {per_slot}")
+    _check_dtype(kind, "advantages", batch.advantages)
+
+
 @flax.struct.dataclass
 class RolloutBatch:
   """One RL batch of B sequences of T tokens (see module doc for the layout).
@@ -86,18 +102,7 @@ class RolloutBatch:
       raise ValueError(f"RolloutBatch.tokens needs T >= 2 (one scored token), got T={T}")
     want = {"tokens": (B, T), "input_mask": (B, T), "loss_mask": (B, T - 1), "behaviour_logprobs": (B, T - 1),
             "rewards": (B,), "versions": (B,), "group_ids": (B,)}
-    if self.ref_logprobs is not None:
-      want["ref_logprobs"] = (B, T - 1)
-    for name, shape in want.items():
-      got = tuple(getattr(self, name).shape)
-      if got != shape:
-        raise ValueError(f"RolloutBatch.{name} has shape {got}, expected {shape} for tokens {(B, T)}")
-      _check_dtype("RolloutBatch", name, getattr(self, name))
-    if self.advantages is not None:
-      if tuple(self.advantages.shape) not in ((B,), (B, T - 1)):
-        raise ValueError(f"RolloutBatch.advantages has shape {self.advantages.shape}, expected {(B,)} or "
-                         f"{(B, T - 1)}")
-      _check_dtype("RolloutBatch", "advantages", self.advantages)
+    _check_fields(self, want, (B, T - 1), B, suffix=f" for tokens {(B, T)}")
     if not 0 <= self.prompt_len < T:
       raise ValueError(f"RolloutBatch.prompt_len={self.prompt_len} must be in [0, {T}) for tokens {(B, T)}")
     if (self.prompt_len > 1 and isinstance(self.loss_mask, np.ndarray)
@@ -163,17 +168,7 @@ class PackedBatch:
     want = {"tokens": (R, L), "positions": (R, L), "segment_ids": (R, L), "parents": (R, L),
             "score_index": (R, K), "targets": (R, K), "seq": (R, K), "loss_mask": (R, K),
             "behaviour_logprobs": (R, K), "rewards": (B,), "versions": (B,), "group_ids": (B,)}
-    if self.ref_logprobs is not None:
-      want["ref_logprobs"] = (R, K)
-    for name, shape in want.items():
-      got = tuple(getattr(self, name).shape)
-      if got != shape:
-        raise ValueError(f"PackedBatch.{name} has shape {got}, expected {shape}")
-      _check_dtype("PackedBatch", name, getattr(self, name))
-    if self.advantages is not None:
-      if tuple(self.advantages.shape) not in ((B,), (R, K)):
-        raise ValueError(f"PackedBatch.advantages has shape {self.advantages.shape}, expected {(B,)} or {(R, K)}")
-      _check_dtype("PackedBatch", "advantages", self.advantages)
+    _check_fields(self, want, (R, K), B)
     if group_size is not None and (group_size < 1 or B % group_size):
       raise ValueError(f"batch of {B} sequences is not a whole number of groups of group_size={group_size}")
     return self

@@ -39,7 +39,8 @@ def batch_advantages(algo: algorithms.AlgorithmConfig, batch: RolloutBatch | Pac
   old_logprobs (per slot): the old policy's log-probs, needed for kl_in_reward when old_policy="recompute"
   (with "behaviour" the sampler's are the old policy's).
   """
-  seg = layouts.of(batch).segments(layouts.of(batch).inputs(batch))
+  layout = layouts.of(batch)
+  seg = layout.segments(layout.inputs(batch))
   if batch.advantages is not None:
     return batch.advantages.astype(jnp.float32)
   rewards = batch.rewards
