@@ -74,6 +74,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # (timeout_s), an address-space cap (memory_mb) and a size limit (max_chars: longer completions score 0).
   c.reward = ml_collections.ConfigDict(dict(name="arithmetic", answer="auto", format_weight=0.0, workers=4,
                                             timeout_s=5.0, memory_mb=4096, max_chars=1 << 20))
+  # Multi-turn episodes (rlax.envs): name "" = one-shot rollouts; "calculator", "single_turn" or "module:Class".
+  c.env = ml_collections.ConfigDict(dict(name="", renderer="auto", max_turns=4, max_tool_calls=4, turn_tokens=0,
+                                         context_tokens=0, tool_timeout_s=5.0, tool_output_chars=1000,
+                                         tools_available=True, examples=2))
   c.eval = ml_collections.ConfigDict(dict(n_samples=8, temperature=1.0))  # on data.n_eval held-out prompts
   # export_every > 0: also write an HF directory every N steps (the final policy always goes to workdir/export).
   c.checkpoint = ml_collections.ConfigDict(dict(every_steps=50, every_seconds=600.0, keep=3,

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from rlax import models
+from rlax import envs
 from rlax import rewards
 from rlax.algorithms import AlgorithmConfig
 from rlax.config import RunConfig
@@ -102,6 +103,23 @@ def record_iterator(run: RunConfig, records: list[Record]) -> RecordIterator:
 def reward_fn(run: RunConfig):
   r = run.reward
   return rewards.build(r.name, answer=r.answer, format_weight=r.format_weight)
+
+
+def episodes(run: RunConfig, tok: Tokenizer, render: PromptRenderer, reward, pool):
+  """`episodes(stream, sync) -> EpisodeStream` over the configured environment, or None (env.name ""): one
+  environment per episode, built by the registry's factory with the run's tokenizer, renderer, reward and
+  verifier pool."""
+  e = run.env
+  if not e.name:
+    return None
+  factory = envs.get(e.name)
+  ctx = envs.EnvContext(tokenizer=tok, render=render, reward_fn=reward, grade=pool.grade, pool=pool, config=e)
+
+  def make(stream, sync: bool = False) -> envs.EpisodeStream:
+    return envs.EpisodeStream(stream, lambda: factory(ctx), context_tokens=e.context_tokens,
+                              turn_tokens=e.turn_tokens, sync=sync)
+
+  return make
 
 
 def verifier_pool(run: RunConfig) -> rewards.VerifierPool:

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional
 
 from rlax import algorithms
 from rlax import models
+from rlax.envs.base import EnvConfig
 from rlax.topology import TopologyConfig
 from rlax.trainer.optimizer import OptimizerConfig
 
@@ -208,6 +209,7 @@ class RunConfig:
   data: DataConfig
   reward: RewardConfig
   eval: EvalConfig
+  env: EnvConfig
   checkpoint: CheckpointConfig
   faults: FaultsConfig
   plan: Optional[PlanConfig] = None
@@ -219,7 +221,7 @@ class RunConfig:
 
 _SECTIONS = {"init": InitConfig, "optimizer": OptimizerSection, "rollout": RolloutConfig,
              "controller": ControllerConfig, "data": DataConfig,
-             "reward": RewardConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "plan": PlanConfig}
+             "reward": RewardConfig, "eval": EvalConfig, "env": EnvConfig, "checkpoint": CheckpointConfig, "plan": PlanConfig}
 _TOP = ("seed", "workdir", "deterministic", "model", "topology", "algorithm", "faults", *_SECTIONS)
 
 
@@ -430,6 +432,7 @@ def validate(run: RunConfig) -> None:
   for ok, msg in checks:
     if not ok:
       raise ValueError(msg)
+  run.env.validate()
   _check_workdir(run.workdir)
   for which in ("train", "eval"):
     for path in run.data.files(which):

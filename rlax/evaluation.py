@@ -36,8 +36,11 @@ def mean_pass_at_k(num_correct: Sequence[int], n: int, k: int) -> float:
 
 def evaluate(generate_fn: GenerateFn, records: Sequence, reward_fn: RewardFn, n: int,
              ks: Sequence[int] = (1,), success: float = 0.5, batch_size: int = 64,
-             grade_fn: Optional[Callable] = None) -> dict[str, float]:
+             grade_fn: Optional[Callable] = None, rewards_fn: Optional[Callable] = None) -> dict[str, float]:
   """Samples n completions per record, grades them, returns metrics.
+
+  rewards_fn(records, n) -> [len(records), n] rewards replaces generate_fn and grading (multi-turn episodes,
+  rewarded by their environment).
 
   A sample counts as correct when its reward > `success`. `grade_fn(fn, completions, records)`
   may be a `VerifierPool.grade` to grade in parallel (default: sequential calls of `reward_fn`).
@@ -48,6 +51,11 @@ def evaluate(generate_fn: GenerateFn, records: Sequence, reward_fn: RewardFn, n:
   correct, rewards_all = [], []
   for start in range(0, len(records), batch_size):
     chunk = list(records[start:start + batch_size])
+    if rewards_fn is not None:
+      rw = np.asarray(rewards_fn(chunk, n), np.float64).reshape(len(chunk), n)
+      rewards_all.append(rw)
+      correct.extend(int(x) for x in (rw > success).sum(axis=1))
+      continue
     outs = generate_fn(chunk, n)
     if len(outs) != len(chunk) or any(len(o) != n for o in outs):
       raise ValueError(f"generate_fn returned {[len(o) for o in outs]} for {len(chunk)} prompts x n={n}")

@@ -47,6 +47,20 @@ def arithmetic(n: int, difficulty: int = 1, seed: int = 0) -> list[Record]:
   return out
 
 
+def multiplication(n: int, difficulty: int = 2, seed: int = 0) -> list[Record]:
+  """a * b with both operands of `difficulty` digits, from 12 up (no trivial 10 or 11 factors at 2 digits)."""
+  _check(n, difficulty)
+  rng = random.Random(f"multiplication/{difficulty}/{seed}")
+  lo, hi = max(2, 10 ** (difficulty - 1) + 2 * (difficulty == 2)), 10**difficulty - 1
+  out = []
+  for i in range(n):
+    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    out.append(Record(id=f"multiplication-d{difficulty}-s{seed}-{i}", prompt=f"What is {a} * {b}?",
+                      answer=str(a * b), task="arithmetic", source="synthetic/multiplication",
+                      difficulty=float(difficulty), metadata={"expression": f"{a} * {b}"}))
+  return out
+
+
 def _random_expression(rng: random.Random, nums: list[int]) -> tuple[str, int] | None:
   """A random full binary expression over `nums` (each used once) with an integer value, or None."""
   items = [(str(x), x) for x in nums]
@@ -175,7 +189,8 @@ def digit_sort(n: int, difficulty: int = 1, seed: int = 0) -> list[Record]:
   return out
 
 
-GENERATORS = {"arithmetic": arithmetic, "countdown": countdown, "program": program, "digit_sort": digit_sort}
+GENERATORS = {"arithmetic": arithmetic, "countdown": countdown, "program": program, "digit_sort": digit_sort,
+              "multiplication": multiplication}
 
 
 def generate(task: str, n: int, difficulty: int = 1, seed: int = 0) -> list[Record]:

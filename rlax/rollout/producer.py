@@ -19,6 +19,7 @@ from absl import logging
 import numpy as np
 
 from rlax.data.dynamic_sampling import GroupBuffer, informative_groups
+from rlax.envs.episodes import batch_stats
 from rlax.rollout import packing
 from rlax.rollout import stats as rollout_stats
 from rlax.rollout.queue import Closed, Rollout
@@ -37,7 +38,7 @@ class _Done:
   out: Any
   rewards: np.ndarray
   oldest: int
-
+  episodes: tuple = ()  # multi-turn: per-episode stats (rlax.envs.episodes.FinishedEpisodes)
 
 
 class RolloutProducer:
@@ -45,16 +46,20 @@ class RolloutProducer:
 
   `weights`: the WeightsService the sampler reads; `data`: a RecordIterator; `grade(reward_fn,
   texts, records)`: the verifier pool's grading; `ensure_alive(mesh)`: raises when the sampler's
-  slices are lost (failover). `rollout` is the run's RolloutConfig; `max_staleness` k.
+  slices are lost (failover). `rollout` is the run's RolloutConfig; `max_staleness` k. `episodes(stream,
+  sync)`: wraps a sampler stream in an `rlax.envs.EpisodeStream` (multi-turn episodes, rewards from the
+  environment); None: one-shot rollouts graded with `reward_fn`.
   """
 
   def __init__(self, *, sampler, weights, data, render, reward_fn, grade, method, rollout, max_staleness: int,
                deterministic: bool, dynamic_sampling: bool, seed: int, sink: Callable[[Rollout], Any],
-               ensure_alive: Callable[[Any], None] = lambda mesh: None, stale_policy: str = "drop"):
+               ensure_alive: Callable[[Any], None] = lambda mesh: None, stale_policy: str = "drop",
+               episodes: Optional[Callable[..., Any]] = None):
     self.sampler, self.weights, self.data, self.render = sampler, weights, data, render
     self.reward_fn, self.grade, self.method, self.r = reward_fn, grade, method, rollout
     self.k, self.deterministic, self.dynamic, self.seed = max_staleness, deterministic, dynamic_sampling, seed
     self.sink, self.ensure_alive, self.stale_policy = sink, ensure_alive, stale_policy
+    self.episodes = episodes
     self.error: Optional[BaseException] = None
     self._thread: Optional[threading.Thread] = None
     self._current = None
@@ -81,6 +86,8 @@ class RolloutProducer:
     records = self.data.next_batch(P)
     t0 = time.perf_counter()
     self.ensure_alive(self.sampler.mesh)
+    if self.episodes is not None:
+      return self._episode_round(s, rnd, records, t0)
     out = self.sampler.generate(self.render.encode_all(records), samples_per_prompt=G,
                                 strategy=self.method, seed=self.seed, step=s,
                                 prompt_ids=[(s * MAX_ROUNDS + rnd) * P + i for i in range(len(records))],
@@ -95,12 +102,29 @@ class RolloutProducer:
             np.array([rec.source for rec in records for _ in range(G)], dtype=object))
     return batch, rows, t1 - t0, time.perf_counter() - t1
 
+  def _episode_round(self, s: int, rnd: int, records, t0: float):
+    """`_round` for multi-turn episodes: every episode of the round to its end, applying each turn's answer
+    before the next decode chunk (a schedule fixed by the tokens: deterministic runs regenerate it exactly)."""
+    P, G = self.r.prompts_per_step, self.r.samples_per_prompt
+    with self.episodes(self.sampler.stream(self.method, weights=self._source), sync=True) as eps:
+      done = eps.run(records, samples_per_prompt=G, seed=self.seed, step=s,
+                     prompt_ids=[(s * MAX_ROUNDS + rnd) * P + i for i in range(len(records))])
+    out = concat_outputs([f.out for f in done])
+    batch = packing.pack(out, np.concatenate([f.rewards for f in done]), self.sampler.max_prompt_len)
+    rows = (np.asarray(out.lengths), rollout_stats.truncated_from_finish_reason(out.finish_reason),
+            np.array([rec.source for rec in records for _ in range(G)], dtype=object))
+    self._round_episodes = [e for f in done for e in f.episodes]
+    return batch, rows, time.perf_counter() - t0, 0.0
+
   def batch(self, s: int) -> tuple[Any, tuple[np.ndarray, ...], dict]:
     """Batch s, graded and packed → (RolloutBatch, per-row (lengths, truncated, sources), stats)."""
     P, G = self.r.prompts_per_step, self.r.samples_per_prompt
     if not self.dynamic:
       batch, rows, t_gen, t_rew = self._round(s, 0)
-      return batch, rows, {"gen_s": t_gen, "reward_s": t_rew}
+      stats = {"gen_s": t_gen, "reward_s": t_rew}
+      if self.episodes is not None:
+        stats.update(batch_stats(self._round_episodes))
+      return batch, rows, stats
     buf = GroupBuffer(P)
     t_gen = t_rew = 0.0
     for rnd in range(MAX_ROUNDS):
@@ -132,8 +156,9 @@ class RolloutProducer:
         return i
       seq, self._seq = self._seq, self._seq + 1
       self._drawn[seq] = before
-      stream.submit(self.render.encode_all(records), samples_per_prompt=self.r.samples_per_prompt, seed=self.seed,
-                    step=s, prompt_ids=[seq], tags=[(seq, records[0])])
+      prompts = records if self.episodes is not None else self.render.encode_all(records)  # episodes reset envs
+      stream.submit(prompts, samples_per_prompt=self.r.samples_per_prompt, seed=self.seed, step=s,
+                    prompt_ids=[seq], tags=[(seq, records[0])])
     return n
 
   def _resume_state(self) -> dict:
@@ -144,6 +169,9 @@ class RolloutProducer:
   def _graded(self, finished) -> list[_Done]:
     if not finished:
       return []
+    if self.episodes is not None:  # rewarded by the environment
+      return [_Done(f.tag[0], f.tag[1], f.out, f.rewards, int(np.min(f.out.versions[:, 0])), tuple(f.episodes))
+              for f in finished]
     G = self.r.samples_per_prompt
     out = concat_outputs([f.out for f in finished])
     graded = self.grade(self.reward_fn, packing.completions(self.render.tokenizer, out),
@@ -213,6 +241,8 @@ class RolloutProducer:
                    dyn_tied_in_batch=float(tied))
     else:
       groups, self._carry = ready[:P], ready[P:]
+    if self.episodes is not None:
+      stats.update(batch_stats([e for g in groups for e in g.episodes]))
     for g in groups:
       del self._drawn[g.seq]
     out = concat_outputs([g.out for g in groups])
@@ -230,6 +260,8 @@ class RolloutProducer:
       idle = self._weights_for(s)
       if stream is None and self.streams():  # opened once weights are installed
         stream = self.sampler.stream(self.method, weights=self._source)
+        if self.episodes is not None:
+          stream = self.episodes(stream, sync=False)
         self._drawn, self._seq, self._carry = {}, 0, []
       t0 = time.perf_counter()
       batch, (lens, truncated, sources), stats = self._stream_batch(stream, s) if stream else self.batch(s)

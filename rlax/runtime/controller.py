@@ -37,6 +37,7 @@ from rlax import memory
 from rlax.metrics import MetricsWriter
 from rlax.multihost import Channel
 from rlax.rollout import Closed, RolloutQueue, packing
+from rlax.envs import episodes as episodes_lib
 from rlax.rollout.producer import RolloutProducer
 from rlax.rollout.remote import RemoteSink, RemoteSource
 from rlax.rollout.sft import sft_warm_start
@@ -100,6 +101,7 @@ class Controller:
     self.preemption = Preemption(run.checkpoint.grace_seconds)
     self.callbacks = list(callbacks)
     self.pool = builders.verifier_pool(run) if self.sampler is not None else None
+    self.episodes = builders.episodes(run, self.tokenizer, self.render, self.reward_fn, self.pool) if self.pool else None
     self.data = builders.record_iterator(run, self.train_records) if self.sampler is not None else None
     self.run_state = self.metrics = None
     if self.trainer is not None:
@@ -180,7 +182,10 @@ class Controller:
     gen = packing.text_generate_fn(self.sampler, self.render, builders.eval_method(run), seed=run.seed + 1, step=0,
                                    weights=newest)
     n = run.eval.n_samples
-    res = evaluation.evaluate(gen, self.eval_records, self.reward_fn, n=n, ks=sorted({1, n}), grade_fn=self.pool.grade)
+    episodic = self.episodes and episodes_lib.rewards_fn(self.episodes, self.sampler, builders.eval_method(run),
+                                                         seed=run.seed + 1, weights=newest)
+    res = evaluation.evaluate(gen, self.eval_records, self.reward_fn, n=n, ks=sorted({1, n}), grade_fn=self.pool.grade,
+                              rewards_fn=episodic or None)
     logging.info("eval (%s): %s", tag, res)
     if self.channel is not None:
       self.channel.set_json(f"eval/{tag}", res)
@@ -193,7 +198,7 @@ class Controller:
                            rollout=run.rollout, max_staleness=run.controller.max_staleness,
                            deterministic=run.deterministic, dynamic_sampling=run.controller.dynamic_sampling,
                            seed=run.seed, sink=sink, ensure_alive=self.faults.ensure_alive,
-                           stale_policy=run.controller.stale_policy)
+                           stale_policy=run.controller.stale_policy, episodes=self.episodes)
 
   def _save(self, s: int, state, queue: RolloutQueue, before: Optional[dict], force: bool) -> None:
     if not (force or self.run_state.should_save(s)):

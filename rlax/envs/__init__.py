@@ -1,0 +1,10 @@
+"""Multi-turn, tool-using episodes: the environment protocol, chat-template renderers, tools, the episode
+stream over the sampler, and the environment registry."""
+
+from rlax.envs.base import (CALL_OUTCOMES, STOP_REASONS, EnvConfig, EnvContext, Environment, Observation,
+                            StepResult, Turn)
+from rlax.envs.episodes import EpisodeStream, FinishedEpisodes, batch_stats
+from rlax.envs.registry import get, names, register
+from rlax.envs.renderers import JsonCalls, ParsedTurn, Renderer, TagCalls, ToolCall, renderer
+from rlax.envs.tool_env import CalculatorEnv, SingleTurnEnv, ToolEnv
+from rlax.envs.tools import Tool, ToolResult, ToolRunner, calculator

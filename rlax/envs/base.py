@@ -1,0 +1,127 @@
+"""The environment protocol of multi-turn episodes: the framework owns the token stream, an environment
+answers each sampled turn with tokens to append (or ends the episode with a reward).
+
+    class Env(Environment):
+      async def reset(self, record) -> Observation:          # the first prompt, as tokens
+      async def step(self, turn: Turn) -> StepResult:       # a reward and done, or tokens to append
+
+One environment object serves one episode (`EpisodeStream` builds one per sample from the registry's
+factory). Both methods are coroutines, so a tool call awaits its process while other rows decode. The
+sampled ids are never re-encoded: `Turn.tokens` are what the policy drew, `StepResult.tokens` are appended as
+given, and the training row of an episode is exactly the sampled and appended segments in order.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+# Why an episode ended (counted per step as env/stop_<reason>).
+STOP_REASONS = ("final_answer", "max_turns", "max_tool_calls", "context_full", "length")
+# What a tool call came to (counted per step as env/calls_<outcome>).
+CALL_OUTCOMES = ("ok", "parse_error", "unknown_tool", "bad_arguments", "tool_error", "timeout", "truncated")
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+  """An episode's first prompt: token ids, and the first turn's new-token limit (None: the configured turn
+  length, clamped to the context left); the engine's end-of-turn ids stop it."""
+  tokens: Sequence[int]
+  max_new_tokens: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+  """One sampled turn: the ids the policy drew (its end token included), their behaviour log-probs and
+  weight versions, why it ended ("eos", "stop", "length", "budget"), its index (0 = first), and the tokens
+  of context still free after it."""
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  versions: np.ndarray
+  finish_reason: str
+  index: int
+  context_left: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+  """The environment's answer to a turn. done: the episode ends with `reward` (and `stop_reason`, one of
+  STOP_REASONS); else `tokens` are appended (role headers, a tool's output, the next generation header)
+  and the policy samples its next turn, at most `max_new_tokens` (None: the context's rest) and also
+  stopping on `stop`. `info` is kept with the episode; `calls` lists the outcome of each tool call made
+  this turn (CALL_OUTCOMES)."""
+  reward: float = 0.0
+  done: bool = False
+  tokens: Sequence[int] = ()
+  max_new_tokens: Optional[int] = None
+  stop: Sequence[int] = ()
+  stop_reason: str = ""
+  calls: Sequence[str] = ()
+  info: dict = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if self.done and self.stop_reason and self.stop_reason not in STOP_REASONS:
+      raise ValueError(f"StepResult.stop_reason={self.stop_reason!r}: use one of {', '.join(STOP_REASONS)}")
+    bad = [c for c in self.calls if c not in CALL_OUTCOMES]
+    if bad:
+      raise ValueError(f"StepResult.calls has {bad[0]!r}: use one of {', '.join(CALL_OUTCOMES)}")
+    if not self.done and not len(self.tokens):
+      raise ValueError("StepResult: an episode that goes on needs tokens to append (at least the next "
+                       "turn's generation header)")
+
+
+class Environment(abc.ABC):
+  """One episode's environment; see the module docstring."""
+
+  @abc.abstractmethod
+  async def reset(self, record: Any) -> Observation:
+    ...
+
+  @abc.abstractmethod
+  async def step(self, turn: Turn) -> StepResult:
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvContext:
+  """What an environment is built with: the tokenizer, the run's prompt renderer (rlax.data.prompts), the
+  reward function, `grade(fn, texts, records) -> [(reward, info)]` (the verifier pool's), the verifier pool
+  itself (for tools: rlax.envs.tools.ToolRunner) and the run's `env` config section."""
+  tokenizer: Any
+  render: Any
+  reward_fn: Any
+  grade: Any
+  pool: Any
+  config: "EnvConfig"
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+  """Multi-turn episodes. name: "" (one-shot rollouts), a registered environment ("single_turn",
+  "calculator") or "module:Class" (a user's Environment, built as Class(ctx: EnvContext) per episode)."""
+  name: str = ""
+  renderer: str = "auto"          # chat-template family: "auto" (from the template), chatml, llama3, hermes
+  max_turns: int = 4              # policy turns per episode
+  max_tool_calls: int = 4         # tool calls per episode
+  turn_tokens: int = 0            # new tokens per turn (0: rollout.max_new_tokens, clamped to the context left)
+  context_tokens: int = 0         # prompt + all turns (0: rollout.max_prompt_len + rollout.max_new_tokens)
+  tool_timeout_s: float = 5.0     # per call, in a verifier process
+  tool_output_chars: int = 1000   # longer tool output is cut (counted as "truncated")
+  tools_available: bool = True    # False: every call is answered "unavailable" (a control run)
+  examples: int = 2               # calculator: worked examples in the conversation
+
+  def validate(self) -> None:
+    for name, ok in (("max_turns", self.max_turns >= 1), ("max_tool_calls", self.max_tool_calls >= 0),
+                     ("turn_tokens", self.turn_tokens >= 0), ("context_tokens", self.context_tokens >= 0),
+                     ("tool_timeout_s", self.tool_timeout_s > 0), ("tool_output_chars", self.tool_output_chars >= 1),
+                     ("examples", self.examples >= 0)):
+      if not ok:
+        raise ValueError(f"env.{name}={getattr(self, name)!r} is out of range")
+    if self.renderer not in ("auto", "chatml", "hermes", "llama3"):
+      raise ValueError(f"env.renderer={self.renderer!r}: use auto, chatml, hermes or llama3")
+    if self.name:
+      from rlax.envs import registry  # pylint: disable=g-import-not-at-top
+      registry.get(self.name)

@@ -1,0 +1,267 @@
+"""Multi-turn episodes on the sampling stream: each sample of a prompt group is an episode whose row holds
+its slot and KV cache between turns; an environment answers each turn while other rows decode.
+
+    episodes = EpisodeStream(sampler.stream(method, weights=...), make_env, context_tokens=..., turn_tokens=...)
+    episodes.submit(records, samples_per_prompt=8, seed=0, step=s, prompt_ids=[...], tags=[...])
+    while episodes.pending:
+      for group in episodes.step():   # FinishedEpisodes(tag, out: SampleOutput of G rows, rewards [G], episodes)
+        ...
+
+A row's tokens after the prompt are its turns and the environment's appended tokens, in order: the sampled
+ids verbatim (`sampled` True, with their behaviour log-probs and per-token weight versions), the appended ids
+as given (`sampled` False, log-prob 0), so `rollout.packing.pack` trains on exactly what was sampled.
+`env.step` runs on an asyncio loop in a thread of its own, so tool calls (in the verifier processes) overlap
+the decoding of other rows. With `sync=True` every turn's answer is applied before the next decode chunk,
+so the schedule, and with it every token, is a function of the tokens alone (deterministic runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from rlax.envs.base import Environment, StepResult, Turn
+from rlax.sampler import concat_outputs
+from rlax.sampler.rows import FINISH_REASONS, SampleOutput
+
+
+@dataclasses.dataclass
+class _Episode:
+  env: Environment
+  row: int = -1          # the stream's request id (known after its first turn)
+  start: int = 0         # tokens after the prompt where the next turn starts
+  turns: int = 0
+  appended: int = 0
+  calls: list = dataclasses.field(default_factory=list)
+  done: bool = False
+  reward: float = 0.0
+  stop: str = ""
+  info: dict = dataclasses.field(default_factory=dict)
+  future: Optional[concurrent.futures.Future] = None
+
+
+@dataclasses.dataclass
+class _Group:
+  tag: Any
+  episodes: list
+  prompt_len: int
+  left: int               # episodes not done
+  oldest: Optional[int] = None  # the weight version of its first token
+
+
+@dataclasses.dataclass
+class FinishedEpisodes:
+  """A prompt group whose episodes all ended: `out` its G rows (sample order), `rewards` [G], and per
+  episode a dict of turns, tool-call outcomes, stop reason, appended and sampled token counts, and info."""
+  tag: Any
+  out: SampleOutput
+  rewards: np.ndarray
+  episodes: list
+
+
+class EpisodeStream:
+  """See the module docstring. make_env() builds one Environment per episode; context_tokens bounds prompt +
+  turns (clamped to the engine's prompt + new-token budget); turn_tokens caps one turn's new tokens."""
+
+  def __init__(self, stream, make_env: Callable[[], Environment], *, context_tokens: int = 0, turn_tokens: int = 0,
+               sync: bool = False):
+    self.stream, self.make_env, self.sync = stream, make_env, sync
+    e = stream.e
+    self.budget = min(context_tokens or (e.max_prompt_len + e.max_new_tokens), e.max_prompt_len + e.max_new_tokens)
+    self.turn_tokens = turn_tokens or e.max_new_tokens
+    self._groups: dict[int, _Group] = {}
+    self._waiting: dict[int, tuple[_Group, _Episode]] = {}  # row → its episode, awaiting env.step
+    self._next = 0
+    self._loop = asyncio.new_event_loop()
+    self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="episode-envs")
+    self._thread.start()
+
+  @property
+  def pending(self) -> int:
+    """Groups submitted and not yet returned."""
+    return len(self._groups)
+
+  def close(self) -> None:
+    self._loop.call_soon_threadsafe(self._loop.stop)
+    self._thread.join(timeout=10)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def _run(self, coros: Sequence) -> list:
+    async def gather():
+      return await asyncio.gather(*coros)
+    return asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
+
+  def _room(self, g: _Group, t: int) -> int:
+    """Tokens of context left for a row of group g with t tokens after its prompt."""
+    return min(self.budget - g.prompt_len - t, self.stream.e.max_new_tokens - t)
+
+  def submit(self, records: Sequence, *, samples_per_prompt: int = 1, seed: int = 0, step: int = 0,
+             prompt_ids: Optional[Sequence[int]] = None, tags: Optional[Sequence] = None) -> list:
+    """Resets G environments per record and queues the group (their first prompts must agree); returns the tags."""
+    G, tags = int(samples_per_prompt), list(range(len(records))) if tags is None else list(tags)
+    ids = list(range(len(records))) if prompt_ids is None else list(prompt_ids)
+    for rec, tag, pid in zip(records, tags, ids):
+      envs = [self.make_env() for _ in range(G)]
+      obs = self._run([env.reset(rec) for env in envs])
+      prompt = [int(x) for x in obs[0].tokens]
+      if any([int(x) for x in o.tokens] != prompt for o in obs[1:]):
+        raise ValueError(f"env.reset gave different first prompts for the {G} samples of record "
+                         f"{getattr(rec, 'id', rec)!r}; an episode group needs one prompt")
+      if not 0 < len(prompt) <= self.stream.e.max_prompt_len:
+        raise ValueError(f"env.reset: the first prompt of record {getattr(rec, 'id', rec)!r} has {len(prompt)} "
+                         f"tokens; rollout.max_prompt_len is {self.stream.e.max_prompt_len}")
+      key, self._next = self._next, self._next + 1
+      g = self._groups[key] = _Group(tag, [_Episode(env) for env in envs], len(prompt), G)
+      room = self._room(g, 0)
+      if room < 1:
+        raise ValueError(f"env.context_tokens={self.budget} leaves no room after a {len(prompt)}-token prompt")
+      limits = [min(o.max_new_tokens or self.turn_tokens, room) for o in obs]
+      self.stream.submit([prompt], samples_per_prompt=G, seed=seed, step=step, prompt_ids=[pid],
+                         max_new_tokens=limits, tags=[key], hold=True)
+    return tags
+
+  # -- turns ----------------------------------------------------------------------------------------------------
+  def _on_turn(self, f) -> None:
+    """A row stopped: its new tokens are a turn; hand it to its environment."""
+    g = self._groups[f.tag]
+    r, out = f.requests[0], f.out
+    ep = g.episodes[int(out.sample_ids[0])]
+    ep.row, t = r, int(out.lengths[0])
+    if g.oldest is None:
+      g.oldest = int(out.versions[0, 0])
+    s = ep.start
+    turn = Turn(tokens=out.tokens[0, s:t].copy(), logprobs=out.logprobs[0, s:t].copy(),
+                versions=out.versions[0, s:t].copy(), finish_reason=FINISH_REASONS[int(out.finish_reason[0])],
+                index=ep.turns, context_left=self._room(g, t))
+    ep.turns, ep.start = ep.turns + 1, t
+    ep.future = asyncio.run_coroutine_threadsafe(ep.env.step(turn), self._loop)
+    self._waiting[r] = (g, ep)
+
+  def _ready(self) -> list[int]:
+    return sorted(r for r, (_, ep) in self._waiting.items() if ep.future.done())
+
+  def _apply(self, rows: Sequence[int]) -> list[FinishedEpisodes]:
+    finished = []
+    for r in rows:
+      g, ep = self._waiting.pop(r)
+      try:
+        res: StepResult = ep.future.result()
+      except Exception as e:  # an environment's own bug: the run stops and says where
+        raise RuntimeError(f"{type(ep.env).__name__}.step raised {type(e).__name__}: {e}") from e
+      ep.calls += list(res.calls)
+      if not res.done:
+        limit = min(res.max_new_tokens or self.turn_tokens, self._room(g, ep.start) - len(res.tokens))
+        if limit >= 1 and self.stream.extend(r, res.tokens, max_new_tokens=limit, stop=res.stop):
+          ep.appended, ep.start = ep.appended + len(res.tokens), ep.start + len(res.tokens)
+          continue
+        res = StepResult(done=True, stop_reason="context_full")
+      ep.done, ep.reward, ep.stop, ep.info = True, float(res.reward), res.stop_reason, dict(res.info)
+      g.left -= 1
+      if not g.left:
+        finished.append(self._finish(g))
+    return finished
+
+  def _finish(self, g: _Group) -> FinishedEpisodes:
+    key = next(k for k, v in self._groups.items() if v is g)
+    out = concat_outputs([self.stream.output(ep.row) for ep in g.episodes])
+    for ep in g.episodes:
+      self.stream.release(ep.row)
+    del self._groups[key]
+    stats = [dict(turns=ep.turns, calls=list(ep.calls), stop=ep.stop, appended=ep.appended,
+                  tokens=int(out.lengths[i]), info=ep.info) for i, ep in enumerate(g.episodes)]
+    return FinishedEpisodes(g.tag, out, np.array([ep.reward for ep in g.episodes], np.float32), stats)
+
+  def _can_decode(self) -> bool:
+    st = self.stream
+    if st.running:
+      return True
+    return bool(st.queued) and int((st.owner < 0).sum()) >= st.queue[0].samples
+
+  def step(self) -> list[FinishedEpisodes]:
+    """Applies the environments' answers that are in, decodes one chunk (or, with nothing to decode, waits for
+    an answer), and returns the groups whose episodes all ended. With sync, every answer is applied (in row
+    order) before the next chunk."""
+    if self.sync and self._waiting:
+      concurrent.futures.wait([ep.future for _, ep in self._waiting.values()])
+    done = self._apply(self._ready())
+    if self._can_decode():
+      for f in self.stream.step():
+        self._on_turn(f)
+    elif self._waiting:
+      concurrent.futures.wait([ep.future for _, ep in self._waiting.values()],
+                              return_when=concurrent.futures.FIRST_COMPLETED)
+    elif self._groups:
+      raise RuntimeError(f"episodes: {len(self._groups)} group(s) pending with nothing decoding, queued or "
+                         "awaiting an environment")
+    return done if self.sync else done + self._apply(self._ready())
+
+  def cancel_older(self, version: int) -> list:
+    """Ends the groups whose first tokens were drawn with weights older than `version` (their rows freed,
+    their environments' pending answers dropped); returns their tags."""
+    stale = set(self.stream.cancel_older(version))  # groups with a row decoding
+    tags = []
+    for key, g in list(self._groups.items()):
+      if key not in stale and (g.oldest is None or g.oldest >= version):
+        continue
+      for ep in g.episodes:
+        if self._waiting.pop(ep.row, None) is not None:
+          ep.future.cancel()
+        if key not in stale and ep.row >= 0:
+          self.stream.release(ep.row)
+      del self._groups[key]
+      tags.append(g.tag)
+    return tags
+
+  def timings(self) -> dict:
+    return self.stream.timings()
+
+  def run(self, records: Sequence, **submit) -> list[FinishedEpisodes]:
+    """Every episode of `records` to its end; groups in record order."""
+    tags = self.submit(records, tags=range(len(records)), **submit)
+    out = {}
+    while self.pending:
+      for f in self.step():
+        out[f.tag] = f
+    return [out[t] for t in tags]
+
+
+def batch_stats(episodes: Sequence[dict]) -> dict[str, float]:
+  """Step metrics over episodes: turns and tool calls per episode, the share of each stop reason and call
+  outcome, the valid-tool-call rate, and the share of appended (not sampled) tokens in the responses."""
+  from rlax.envs.base import CALL_OUTCOMES, STOP_REASONS  # pylint: disable=g-import-not-at-top
+  n = max(1, len(episodes))
+  calls = [c for e in episodes for c in e["calls"]]
+  tokens = sum(e["tokens"] for e in episodes)
+  out = {"env/turns": sum(e["turns"] for e in episodes) / n, "env/tool_calls": len(calls) / n,
+         "env/valid_call_rate": sum(c in ("ok", "truncated") for c in calls) / max(1, len(calls)),
+         "env/appended_share": sum(e["appended"] for e in episodes) / max(1, tokens)}
+  for s in STOP_REASONS:
+    out[f"env/stop_{s}"] = sum(e["stop"] == s for e in episodes) / n
+  for c in CALL_OUTCOMES:
+    out[f"env/calls_{c}"] = float(sum(x == c for x in calls))
+  return out
+
+
+def rewards_fn(make: Callable, sampler, method, *, seed: int, weights=None) -> Callable:
+  """`rewards(records, n) -> [len(records), n]` episode rewards over the sampler (held-out evaluation of a
+  multi-turn task); `make(stream, sync)` as `rlax.builders.episodes` returns."""
+  calls = [0]
+
+  def rewards(records: Sequence, n: int) -> np.ndarray:
+    with make(sampler.stream(method, weights=weights), sync=True) as eps:
+      done = eps.run(records, samples_per_prompt=n, seed=seed, step=0,
+                     prompt_ids=list(range(calls[0], calls[0] + len(records))))
+    calls[0] += len(records)
+    return np.stack([f.rewards for f in done])
+
+  return rewards

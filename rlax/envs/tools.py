@@ -1,0 +1,156 @@
+"""Tools from plain Python functions, run in the verifier processes so that no call can stall the run.
+
+    def calculator(expression: str) -> str:
+      '''Evaluates an arithmetic expression of integers with + - * / ** and parentheses.'''
+    tool = Tool.from_function(calculator)     # name, description, JSON schema of the typed arguments
+    runner = ToolRunner(pool, [tool], timeout_s=5, output_chars=1000)
+    results = await runner.run(calls)         # [ToolResult(output, outcome)], one per call, in order
+
+A call runs in a grading process of the `VerifierPool` under its deadline (SIGKILL) and address-space cap;
+its output is cut to `output_chars` inside that process (a 10 MB answer never crosses the pipe). A malformed
+call, an unknown tool, bad arguments, an exception, a timeout or the memory cap become an error observation
+with an outcome from `rlax.envs.base.CALL_OUTCOMES`, never a crash or a dropped turn.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import dataclasses
+import inspect
+import json
+import operator
+import typing
+from typing import Any, Callable, Optional, Sequence
+
+from rlax.envs.renderers import ToolCall
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+  name: str
+  fn: Callable
+  description: str
+  parameters: dict  # JSON schema of the arguments
+
+  @classmethod
+  def from_function(cls, fn: Callable, name: Optional[str] = None) -> "Tool":
+    """A tool named after `fn` (or `name`), described by its docstring's first paragraph, with a JSON schema
+    from its type hints (str, int, float, bool, list, dict); arguments without a default are required."""
+    hints = typing.get_type_hints(fn)
+    props, required = {}, []
+    for p in inspect.signature(fn).parameters.values():
+      typ = hints.get(p.name, str)
+      if typ not in _JSON_TYPES:
+        raise ValueError(f"tool {fn.__name__}: argument {p.name} has type {typ}; use one of "
+                         f"{', '.join(t.__name__ for t in _JSON_TYPES)}")
+      props[p.name] = {"type": _JSON_TYPES[typ]}
+      if p.default is inspect.Parameter.empty:
+        required.append(p.name)
+    doc = inspect.getdoc(fn) or ""
+    return cls(name or fn.__name__, fn, doc.split("\n\n")[0].strip(),
+               {"type": "object", "properties": props, "required": required})
+
+  def schema(self) -> dict:
+    """The OpenAI-style function schema chat templates take as `tools=`."""
+    return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                             "parameters": self.parameters}}
+
+  def check(self, arguments: dict) -> Optional[str]:
+    """Why `arguments` do not fit the schema, or None."""
+    props, req = self.parameters["properties"], self.parameters["required"]
+    missing = [k for k in req if k not in arguments]
+    extra = [k for k in arguments if k not in props]
+    if missing or extra:
+      return f"{self.name}: missing arguments {missing}, unknown arguments {extra}"
+    for k, v in arguments.items():
+      want = next(t for t, n in _JSON_TYPES.items() if n == props[k]["type"])
+      if not isinstance(v, want) or (want is int and isinstance(v, bool)):
+        return f"{self.name}: argument {k} must be {props[k]['type']}, got {type(v).__name__}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolResult:
+  output: str
+  outcome: str  # one of rlax.envs.base.CALL_OUTCOMES
+
+
+class _Invoke:
+  """What a grading process runs for one call: `fn(**json.loads(arguments))`, its text cut to `limit` chars."""
+
+  def __init__(self, fn: Callable, limit: int):
+    self.fn, self.limit = fn, limit
+
+  def __call__(self, arguments: str, record) -> tuple[float, dict]:
+    out = str(self.fn(**json.loads(arguments)))
+    return 0.0, {"output": out[:self.limit], "truncated": len(out) > self.limit}
+
+
+class ToolRunner:
+  """Runs tool calls in a VerifierPool; see the module docstring. available=False answers every call
+  "unavailable" without running it (a control run: what the policy gains without the tool)."""
+
+  def __init__(self, pool, tools: Sequence[Tool], *, timeout_s: float = 5.0, output_chars: int = 1000,
+               available: bool = True):
+    self.pool, self.timeout_s, self.output_chars, self.available = pool, timeout_s, output_chars, available
+    self.tools = {t.name: t for t in tools}
+    self._invoke = {t.name: _Invoke(t.fn, output_chars) for t in tools}
+
+  def _check(self, call: ToolCall) -> Optional[ToolResult]:
+    tool = self.tools.get(call.name)
+    if tool is None:
+      return ToolResult(f"error: unknown tool {call.name!r}; tools: {', '.join(self.tools)}", "unknown_tool")
+    bad = tool.check(call.arguments)
+    return ToolResult(f"error: {bad}", "bad_arguments") if bad else None
+
+  async def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
+    """One result per call, in order; the valid calls run in parallel in the pool."""
+    results: list[Optional[ToolResult]] = [self._check(c) for c in calls]
+    if not self.available:
+      return [r or ToolResult("error: the tool is unavailable", "tool_error") for r in results]
+    todo = [i for i, r in enumerate(results) if r is None]
+    if todo:
+      batch = self.pool.submit([self._invoke[calls[i].name] for i in todo],
+                               [json.dumps(calls[i].arguments) for i in todo], [None] * len(todo), self.timeout_s)
+      graded = await asyncio.to_thread(batch.results)
+      for i, (_, info) in zip(todo, graded):
+        results[i] = _result(info, self.timeout_s)
+    return results
+
+
+def _result(info: dict, timeout_s: float) -> ToolResult:
+  if info.get("timeout"):
+    return ToolResult(f"error: the tool did not finish within {timeout_s:g}s", "timeout")
+  if info.get("error"):
+    reason = str(info.get("reason", "")).removeprefix("grader error: ")
+    return ToolResult(f"error: {reason}"[:500], "tool_error")
+  return ToolResult(info["output"], "truncated" if info.get("truncated") else "ok")
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+
+
+def _eval(node):
+  if isinstance(node, ast.Expression):
+    return _eval(node.body)
+  if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+    return node.value
+  if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+    return _OPS[type(node.op)](_eval(node.left), _eval(node.right))
+  if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+    return -_eval(node.operand) if isinstance(node.op, ast.USub) else _eval(node.operand)
+  raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")
+
+
+def calculator(expression: str) -> str:
+  """Evaluates an arithmetic expression of numbers with + - * / // % ** and parentheses.
+
+  Runs in a verifier process: a huge power (9**9**9**9) runs into the call's deadline or memory cap there."""
+  value = _eval(ast.parse(expression.replace("×", "*").replace("x", "*"), mode="eval"))
+  if isinstance(value, float) and value.is_integer():
+    value = int(value)
+  return str(value)
