@@ -12,28 +12,17 @@ final answer, rewarded 1 when its last number is a * b (the tool's output is nev
 Held-out pass@1 is measured the same way, through the environment.
 """
 
-import os
-
-from configs import base
+from configs import smollm2
 
 
 def get_config(arg: str | None = None):
-  c = base.get_config()
+  c = smollm2.get_config()  # the same model, devices, algorithm and optimizer as the one-shot example
   c.workdir = "runs/calculator_tool"
-  c.model.hf_checkpoint = os.path.expanduser("~/.cache/smollm2-135m-instruct")
-  c.model.overrides = dict(dtype="float32")
-  c.topology.update(slice_size=1, trainer_slices=1, sampler_slices=1,
-                    trainer_mesh=dict(data=1, fsdp=-1, tensor=1), sampler_mesh=dict(data=-1, fsdp=1, tensor=1))
-  c.algorithm.update(name="grpo", kl_coef=0.0)
-  c.optimizer.update(lr=2e-5, warmup_steps=0, clip_norm=1.0, micro_batch_tokens=4096)
-  c.rollout.update(prompts_per_step=8, samples_per_prompt=8, max_prompt_len=256, max_new_tokens=96,
-                   temperature=1.0)
-  c.controller.update(steps=30, max_staleness=1, queue_size=1)
-  c.data.update(task="multiplication", difficulty=2, n_train=4096, n_eval=64)
+  c.rollout.update(max_prompt_len=256, max_new_tokens=96)
+  c.controller.steps = 30
+  c.data.update(task="multiplication", difficulty=2, n_train=4096, n_eval=64, system_prompt="")  # the env prompts
   c.reward.update(name="arithmetic", answer="last_number")
   c.env.update(name="calculator", max_turns=3, max_tool_calls=2, turn_tokens=32, examples=2)
-  c.eval.update(n_samples=8, temperature=1.0)
-  c.checkpoint.update(every_steps=10)
   if arg == "control":
     c.workdir = "runs/calculator_tool_control"
     c.env.tools_available = False

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from rlax.envs.base import Environment, StepResult, Turn
+from rlax.envs.base import CALL_OUTCOMES, STOP_REASONS, Environment, StepResult, Turn
 from rlax.sampler import concat_outputs
 from rlax.sampler.rows import FINISH_REASONS, SampleOutput
 
@@ -38,7 +38,6 @@ class _Episode:
   turns: int = 0
   appended: int = 0
   calls: list = dataclasses.field(default_factory=list)
-  done: bool = False
   reward: float = 0.0
   stop: str = ""
   info: dict = dataclasses.field(default_factory=dict)
@@ -47,6 +46,7 @@ class _Episode:
 
 @dataclasses.dataclass
 class _Group:
+  key: int                # its tag on the stream
   tag: Any
   episodes: list
   prompt_len: int
@@ -121,7 +121,7 @@ class EpisodeStream:
         raise ValueError(f"env.reset: the first prompt of record {getattr(rec, 'id', rec)!r} has {len(prompt)} "
                          f"tokens; rollout.max_prompt_len is {self.stream.e.max_prompt_len}")
       key, self._next = self._next, self._next + 1
-      g = self._groups[key] = _Group(tag, [_Episode(env) for env in envs], len(prompt), G)
+      g = self._groups[key] = _Group(key, tag, [_Episode(env) for env in envs], len(prompt), G)
       room = self._room(g, 0)
       if room < 1:
         raise ValueError(f"env.context_tokens={self.budget} leaves no room after a {len(prompt)}-token prompt")
@@ -165,18 +165,17 @@ class EpisodeStream:
           ep.appended, ep.start = ep.appended + len(res.tokens), ep.start + len(res.tokens)
           continue
         res = StepResult(done=True, stop_reason="context_full")
-      ep.done, ep.reward, ep.stop, ep.info = True, float(res.reward), res.stop_reason, dict(res.info)
+      ep.reward, ep.stop, ep.info = float(res.reward), res.stop_reason, dict(res.info)
       g.left -= 1
       if not g.left:
         finished.append(self._finish(g))
     return finished
 
   def _finish(self, g: _Group) -> FinishedEpisodes:
-    key = next(k for k, v in self._groups.items() if v is g)
     out = concat_outputs([self.stream.output(ep.row) for ep in g.episodes])
     for ep in g.episodes:
       self.stream.release(ep.row)
-    del self._groups[key]
+    del self._groups[g.key]
     stats = [dict(turns=ep.turns, calls=list(ep.calls), stop=ep.stop, appended=ep.appended,
                   tokens=int(out.lengths[i]), info=ep.info) for i, ep in enumerate(g.episodes)]
     return FinishedEpisodes(g.tag, out, np.array([ep.reward for ep in g.episodes], np.float32), stats)
@@ -238,7 +237,6 @@ class EpisodeStream:
 def batch_stats(episodes: Sequence[dict]) -> dict[str, float]:
   """Step metrics over episodes: turns and tool calls per episode, the share of each stop reason and call
   outcome, the valid-tool-call rate, and the share of appended (not sampled) tokens in the responses."""
-  from rlax.envs.base import CALL_OUTCOMES, STOP_REASONS  # pylint: disable=g-import-not-at-top
   n = max(1, len(episodes))
   calls = [c for e in episodes for c in e["calls"]]
   tokens = sum(e["tokens"] for e in episodes)

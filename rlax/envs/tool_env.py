@@ -10,7 +10,8 @@ a final answer: a calculator's result alone earns nothing.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import asyncio
+from typing import Sequence
 
 from rlax.envs import renderers
 from rlax.envs import tools as tools_lib
@@ -29,15 +30,15 @@ class SingleTurnEnv(Environment):
     return Observation(self.ctx.render.encode(record))
 
   async def step(self, turn: Turn) -> StepResult:
-    text = self.ctx.tokenizer.decode(turn.tokens)
-    (reward, info), = await _to_thread(self.ctx.grade, self.ctx.reward_fn, [text], [self.record])
+    reward, info = await grade(self.ctx, self.ctx.tokenizer.decode(turn.tokens), self.record)
     return StepResult(reward=reward, done=True, stop_reason="final_answer" if turn.finish_reason != "length"
                       else "length", info=info)
 
 
-async def _to_thread(fn, *args):
-  import asyncio  # pylint: disable=g-import-not-at-top
-  return await asyncio.to_thread(fn, *args)
+async def grade(ctx: EnvContext, text: str, record) -> tuple[float, dict]:
+  """The run's reward on `text`, graded in the verifier processes off the event loop."""
+  (reward, info), = await asyncio.to_thread(ctx.grade, ctx.reward_fn, [text], [record])
+  return reward, info
 
 
 class ToolEnv(Environment):
@@ -65,8 +66,7 @@ class ToolEnv(Environment):
     return Observation(self.render.prompt(self.messages(record), schemas))
 
   async def final_reward(self, text: str) -> tuple[float, dict]:
-    (reward, info), = await _to_thread(self.ctx.grade, self.ctx.reward_fn, [text], [self.record])
-    return reward, info
+    return await grade(self.ctx, text, self.record)
 
   async def step(self, turn: Turn) -> StepResult:
     self.turns += 1

@@ -21,7 +21,7 @@ import inspect
 import json
 import operator
 import typing
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from rlax.envs.renderers import ToolCall
 

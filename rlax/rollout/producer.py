@@ -78,10 +78,16 @@ class RolloutProducer:
     return self.weights.latest() if self.r.inflight_updates else self._current
 
   # -- one batch -------------------------------------------------------------------------------------------
-  def _round(self, s: int, rnd: int):
-    """One sampling round of P prompts x G samples → (packed numpy batch, per-row info, seconds).
+  def _packed(self, out, rewards, sources) -> tuple[Any, tuple[np.ndarray, ...]]:
+    """A host output of prompt-major rows, its rewards and record sources → (RolloutBatch, per-row info:
+    response lengths, truncated (hit max_new_tokens), sources)."""
+    batch = packing.pack(out, rewards, self.sampler.max_prompt_len)
+    return batch, (np.asarray(out.lengths), rollout_stats.truncated_from_finish_reason(out.finish_reason),
+                   np.array(sources, dtype=object))
 
-    Per-row info: response lengths, truncated (hit max_new_tokens), record sources."""
+  def _round(self, s: int, rnd: int):
+    """One sampling round of P prompts x G samples → (packed numpy batch, per-row info, seconds generating,
+    seconds grading, per-row episode stats or None)."""
     P, G = self.r.prompts_per_step, self.r.samples_per_prompt
     records = self.data.next_batch(P)
     t0 = time.perf_counter()
@@ -97,10 +103,8 @@ class RolloutProducer:
     graded = self.grade(self.reward_fn, packing.completions(self.render.tokenizer, out),
                         [rec for rec in records for _ in range(G)])
     rewards = np.array([g[0] for g in graded], np.float32)
-    batch = packing.pack(out, rewards, self.sampler.max_prompt_len)
-    rows = (np.asarray(out.lengths), rollout_stats.truncated_from_finish_reason(out.finish_reason),
-            np.array([rec.source for rec in records for _ in range(G)], dtype=object))
-    return batch, rows, t1 - t0, time.perf_counter() - t1
+    batch, rows = self._packed(out, rewards, [rec.source for rec in records for _ in range(G)])
+    return batch, rows, t1 - t0, time.perf_counter() - t1, None
 
   def _episode_round(self, s: int, rnd: int, records, t0: float):
     """`_round` for multi-turn episodes: every episode of the round to its end, applying each turn's answer
@@ -109,37 +113,39 @@ class RolloutProducer:
     with self.episodes(self.sampler.stream(self.method, weights=self._source), sync=True) as eps:
       done = eps.run(records, samples_per_prompt=G, seed=self.seed, step=s,
                      prompt_ids=[(s * MAX_ROUNDS + rnd) * P + i for i in range(len(records))])
-    out = concat_outputs([f.out for f in done])
-    batch = packing.pack(out, np.concatenate([f.rewards for f in done]), self.sampler.max_prompt_len)
-    rows = (np.asarray(out.lengths), rollout_stats.truncated_from_finish_reason(out.finish_reason),
-            np.array([rec.source for rec in records for _ in range(G)], dtype=object))
-    self._round_episodes = [e for f in done for e in f.episodes]
-    return batch, rows, time.perf_counter() - t0, 0.0
+    batch, rows = self._packed(concat_outputs([f.out for f in done]), np.concatenate([f.rewards for f in done]),
+                               [rec.source for rec in records for _ in range(G)])
+    eps = np.empty(len(records) * G, dtype=object)
+    eps[:] = [e for f in done for e in f.episodes]
+    return batch, rows, time.perf_counter() - t0, 0.0, eps
 
   def batch(self, s: int) -> tuple[Any, tuple[np.ndarray, ...], dict]:
     """Batch s, graded and packed → (RolloutBatch, per-row (lengths, truncated, sources), stats)."""
     P, G = self.r.prompts_per_step, self.r.samples_per_prompt
     if not self.dynamic:
-      batch, rows, t_gen, t_rew = self._round(s, 0)
+      batch, rows, t_gen, t_rew, eps = self._round(s, 0)
       stats = {"gen_s": t_gen, "reward_s": t_rew}
-      if self.episodes is not None:
-        stats.update(batch_stats(self._round_episodes))
+      if eps is not None:
+        stats.update(batch_stats(list(eps)))
       return batch, rows, stats
     buf = GroupBuffer(P)
     t_gen = t_rew = 0.0
     for rnd in range(MAX_ROUNDS):
-      batch, info, g, w = self._round(s, rnd)
+      batch, info, g, w, eps = self._round(s, rnd)
       t_gen, t_rew = t_gen + g, t_rew + w
       groups = [np.arange(i * G, (i + 1) * G) for i in range(P)]
-      buf.add([(batch, info, r) for r in groups], np.asarray(batch.rewards).reshape(P, G))
+      buf.add([(batch, info + (eps,), r) for r in groups], np.asarray(batch.rewards).reshape(P, G))
       if buf.ready():
         break
     groups, rewards = buf.pop_batch(fill=True)
     batch = packing.concat([packing.take_rows(b, r) for b, _, r in groups])
     rows = tuple(np.concatenate([info[j][r] for _, info, r in groups]) for j in range(3))
     _, tied = informative_groups(rewards)
-    return batch, rows, {"gen_s": t_gen, "reward_s": t_rew, "dyn_dropped_groups": float(buf.dropped),
-                         "dyn_rounds": float(rnd + 1), "dyn_tied_in_batch": float(tied)}
+    stats = {"gen_s": t_gen, "reward_s": t_rew, "dyn_dropped_groups": float(buf.dropped),
+             "dyn_rounds": float(rnd + 1), "dyn_tied_in_batch": float(tied)}
+    if self.episodes is not None:
+      stats.update(batch_stats([e for _, info, r in groups for e in info[3][r]]))
+    return batch, rows, stats
 
   # -- streaming groups ---------------------------------------------------------------------------
   def streams(self) -> bool:
@@ -245,11 +251,9 @@ class RolloutProducer:
       stats.update(batch_stats([e for g in groups for e in g.episodes]))
     for g in groups:
       del self._drawn[g.seq]
-    out = concat_outputs([g.out for g in groups])
-    batch = packing.pack(out, np.concatenate([g.rewards for g in groups]), self.sampler.max_prompt_len)
     G = self.r.samples_per_prompt
-    rows = (np.asarray(out.lengths), rollout_stats.truncated_from_finish_reason(out.finish_reason),
-            np.array([g.record.source for g in groups for _ in range(G)], dtype=object))
+    batch, rows = self._packed(concat_outputs([g.out for g in groups]), np.concatenate([g.rewards for g in groups]),
+                               [g.record.source for g in groups for _ in range(G)])
     return batch, rows, stats
 
   # -- the loop --------------------------------------------------------------------------------------------

@@ -34,10 +34,10 @@ from rlax import config as config_lib
 from rlax import evaluation
 from rlax import export
 from rlax import memory
+from rlax.envs import episodes as episodes_lib
 from rlax.metrics import MetricsWriter
 from rlax.multihost import Channel
 from rlax.rollout import Closed, RolloutQueue, packing
-from rlax.envs import episodes as episodes_lib
 from rlax.rollout.producer import RolloutProducer
 from rlax.rollout.remote import RemoteSink, RemoteSource
 from rlax.rollout.sft import sft_warm_start
@@ -179,13 +179,15 @@ class Controller:
       return self.channel.get_json(f"eval/{tag}")
     run = self.run_cfg
     newest = self.weights.latest()
-    gen = packing.text_generate_fn(self.sampler, self.render, builders.eval_method(run), seed=run.seed + 1, step=0,
-                                   weights=newest)
-    n = run.eval.n_samples
-    episodic = self.episodes and episodes_lib.rewards_fn(self.episodes, self.sampler, builders.eval_method(run),
-                                                         seed=run.seed + 1, weights=newest)
+    method, n = builders.eval_method(run), run.eval.n_samples
+    if self.episodes is not None:  # through the environment, as training samples it
+      gen, episodic = None, episodes_lib.rewards_fn(self.episodes, self.sampler, method, seed=run.seed + 1,
+                                                    weights=newest)
+    else:
+      gen, episodic = packing.text_generate_fn(self.sampler, self.render, method, seed=run.seed + 1, step=0,
+                                               weights=newest), None
     res = evaluation.evaluate(gen, self.eval_records, self.reward_fn, n=n, ks=sorted({1, n}), grade_fn=self.pool.grade,
-                              rewards_fn=episodic or None)
+                              rewards_fn=episodic)
     logging.info("eval (%s): %s", tag, res)
     if self.channel is not None:
       self.channel.set_json(f"eval/{tag}", res)

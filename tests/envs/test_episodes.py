@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from rlax import envs
-from rlax import models as M
 from rlax import sampler as S
 from rlax.rollout import packing
 from rlax.trainer import layouts
