@@ -50,6 +50,24 @@ def define_cpu_devices(default: int = 8) -> flags.FlagHolder[int]:
                               "launch.multihost job).")
 
 
+def define_compilation_cache() -> flags.FlagHolder[str]:
+  """--compilation_cache; `apply_compilation_cache` applies it."""
+  return flags.DEFINE_string("compilation_cache", os.path.join("~", ".cache", "rlax", "xla"),
+                             "Directory of XLA's persistent compilation cache (\"\" turns it off): a rerun, "
+                             "a resume or the next evaluation loads its programs instead of compiling them.")
+
+
+def apply_compilation_cache() -> None:
+  """Points JAX's persistent compilation cache at --compilation_cache (unless JAX_COMPILATION_CACHE_DIR is set);
+  programs that compile in under a second are not worth a file."""
+  import jax
+  path = flags.FLAGS.compilation_cache
+  if not path or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return
+  jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def define_workdir(default, help_text: str) -> flags.FlagHolder[str]:
   """--workdir: a run's directory (default None: required)."""
   return flags.DEFINE_string("workdir", default, help_text, required=default is None)

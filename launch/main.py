@@ -21,10 +21,12 @@ import traceback
 
 from absl import app, flags, logging
 
-from launch.flags_util import DEMO_CONFIG, apply_cpu_devices, define_config, define_cpu_devices, parse_or_exit
+from launch.flags_util import (DEMO_CONFIG, apply_compilation_cache, apply_cpu_devices, define_compilation_cache,
+                               define_config, define_cpu_devices, parse_or_exit)
 
 CONFIG = define_config(DEMO_CONFIG)
 CPU_DEVICES = define_cpu_devices()
+COMPILATION_CACHE = define_compilation_cache()
 PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar on the console.")
 
 
@@ -40,6 +42,7 @@ def main(argv):
   from rlax.allocator import reexec_with_tcmalloc
   reexec_with_tcmalloc()
   apply_cpu_devices()  # before the first JAX operation
+  apply_compilation_cache()
   from rlax import multihost
   if multihost.ENV_PROCESS_ID in os.environ:  # one process per role under launch.multihost
     multihost.init_from_env(cpu_devices=CPU_DEVICES.value)

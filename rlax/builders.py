@@ -8,6 +8,7 @@ the transport that connects them. Failover rebuilds through the same function.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Optional
 
 import jax
@@ -106,18 +107,20 @@ def reward_fn(run: RunConfig):
 
 
 def episodes(run: RunConfig, tok: Tokenizer, render: PromptRenderer, reward, pool):
-  """`episodes(stream, sync) -> EpisodeStream` over the configured environment, or None (env.name ""): one
-  environment per episode, built by the registry's factory with the run's tokenizer, renderer, reward and
-  verifier pool."""
+  """`episodes(stream, sync, keys) -> EpisodeStream` over the configured environment, or None (env.name ""):
+  one environment per episode, built by the registry's factory with the run's tokenizer, renderer, reward and
+  verifier pool. keys=True (training): tool calls are journaled in <workdir>/tool_journal.jsonl, so a resumed
+  run replays the calls the killed one had finished."""
   e = run.env
   if not e.name:
     return None
   factory = envs.get(e.name)
-  ctx = envs.EnvContext(tokenizer=tok, render=render, reward_fn=reward, grade=pool.grade, pool=pool, config=e)
+  ctx = envs.EnvContext(tokenizer=tok, render=render, reward_fn=reward, grade=pool.grade, pool=pool, config=e,
+                        journal=envs.ToolJournal(os.path.join(run.workdir, "tool_journal.jsonl")))
 
-  def make(stream, sync: bool = False) -> envs.EpisodeStream:
+  def make(stream, sync: bool = False, keys: bool = False) -> envs.EpisodeStream:
     return envs.EpisodeStream(stream, lambda: factory(ctx), context_tokens=e.context_tokens,
-                              turn_tokens=e.turn_tokens, sync=sync)
+                              turn_tokens=e.turn_tokens, sync=sync, keys=keys)
 
   return make
 

@@ -4,6 +4,7 @@ stream over the sampler, and the environment registry."""
 from rlax.envs.base import (CALL_OUTCOMES, STOP_REASONS, EnvConfig, EnvContext, Environment, Observation,
                             StepResult, Turn)
 from rlax.envs.episodes import EpisodeStream, FinishedEpisodes, batch_stats
+from rlax.envs.journal import ToolJournal
 from rlax.envs.registry import get, names, register
 from rlax.envs.renderers import JsonCalls, ParsedTurn, Renderer, TagCalls, ToolCall, renderer
 from rlax.envs.tool_env import CalculatorEnv, SingleTurnEnv, ToolEnv

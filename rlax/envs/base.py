@@ -36,14 +36,16 @@ class Observation:
 @dataclasses.dataclass(frozen=True)
 class Turn:
   """One sampled turn: the ids the policy drew (its end token included), their behaviour log-probs and
-  weight versions, why it ended ("eos", "stop", "length", "budget"), its index (0 = first), and the tokens
-  of context still free after it."""
+  weight versions, why it ended ("eos", "stop", "length", "budget"), its index (0 = first), the tokens
+  of context still free after it, and its key (seed, step, prompt id, sample, turn): what a resumed run
+  regenerates it under (set on training episodes; None elsewhere), for journaling side effects."""
   tokens: np.ndarray
   logprobs: np.ndarray
   versions: np.ndarray
   finish_reason: str
   index: int
   context_left: int
+  key: Optional[tuple] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +91,15 @@ class Environment(abc.ABC):
 class EnvContext:
   """What an environment is built with: the tokenizer, the run's prompt renderer (rlax.data.prompts), the
   reward function, `grade(fn, texts, records) -> [(reward, info)]` (the verifier pool's), the verifier pool
-  itself (for tools: rlax.envs.tools.ToolRunner) and the run's `env` config section."""
+  itself (for tools: rlax.envs.tools.ToolRunner), the run's `env` config section and its tool-result
+  journal (rlax.envs.journal.ToolJournal; None: no journal)."""
   tokenizer: Any
   render: Any
   reward_fn: Any
   grade: Any
   pool: Any
   config: "EnvConfig"
+  journal: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,6 +51,7 @@ class _Group:
   episodes: list
   prompt_len: int
   left: int               # episodes not done
+  ident: tuple = ()       # (seed, step, prompt id): with the sample and turn, a turn's Turn.key
   oldest: Optional[int] = None  # the weight version of its first token
 
 
@@ -66,11 +67,12 @@ class FinishedEpisodes:
 
 class EpisodeStream:
   """See the module docstring. make_env() builds one Environment per episode; context_tokens bounds prompt +
-  turns (clamped to the engine's prompt + new-token budget); turn_tokens caps one turn's new tokens."""
+  turns (clamped to the engine's prompt + new-token budget); turn_tokens caps one turn's new tokens; keys: give
+  each Turn its key (training episodes, whose tool calls are journaled)."""
 
   def __init__(self, stream, make_env: Callable[[], Environment], *, context_tokens: int = 0, turn_tokens: int = 0,
-               sync: bool = False):
-    self.stream, self.make_env, self.sync = stream, make_env, sync
+               sync: bool = False, keys: bool = False):
+    self.stream, self.make_env, self.sync, self.keys = stream, make_env, sync, keys
     e = stream.e
     self.budget = min(context_tokens or (e.max_prompt_len + e.max_new_tokens), e.max_prompt_len + e.max_new_tokens)
     self.turn_tokens = turn_tokens or e.max_new_tokens
@@ -121,7 +123,8 @@ class EpisodeStream:
         raise ValueError(f"env.reset: the first prompt of record {getattr(rec, 'id', rec)!r} has {len(prompt)} "
                          f"tokens; rollout.max_prompt_len is {self.stream.e.max_prompt_len}")
       key, self._next = self._next, self._next + 1
-      g = self._groups[key] = _Group(key, tag, [_Episode(env) for env in envs], len(prompt), G)
+      g = self._groups[key] = _Group(key, tag, [_Episode(env) for env in envs], len(prompt), G,
+                                     (int(seed), int(step), int(pid)))
       room = self._room(g, 0)
       if room < 1:
         raise ValueError(f"env.context_tokens={self.budget} leaves no room after a {len(prompt)}-token prompt")
@@ -135,14 +138,15 @@ class EpisodeStream:
     """A row stopped: its new tokens are a turn; hand it to its environment."""
     g = self._groups[f.tag]
     r, out = f.requests[0], f.out
-    ep = g.episodes[int(out.sample_ids[0])]
+    i = int(out.sample_ids[0])
+    ep = g.episodes[i]
     ep.row, t = r, int(out.lengths[0])
     if g.oldest is None:
       g.oldest = int(out.versions[0, 0])
     s = ep.start
     turn = Turn(tokens=out.tokens[0, s:t].copy(), logprobs=out.logprobs[0, s:t].copy(),
                 versions=out.versions[0, s:t].copy(), finish_reason=FINISH_REASONS[int(out.finish_reason[0])],
-                index=ep.turns, context_left=self._room(g, t))
+                index=ep.turns, context_left=self._room(g, t), key=(*g.ident, i, ep.turns) if self.keys else None)
     ep.turns, ep.start = ep.turns + 1, t
     ep.future = asyncio.run_coroutine_threadsafe(ep.env.step(turn), self._loop)
     self._waiting[r] = (g, ep)
@@ -252,7 +256,8 @@ def batch_stats(episodes: Sequence[dict]) -> dict[str, float]:
 
 def rewards_fn(make: Callable, sampler, method, *, seed: int, weights=None) -> Callable:
   """`rewards(records, n) -> [len(records), n]` episode rewards over the sampler (held-out evaluation of a
-  multi-turn task); `make(stream, sync)` as `rlax.builders.episodes` returns."""
+  multi-turn task); `make(stream, sync)` as `rlax.builders.episodes` returns. `rewards.episodes` collects
+  every episode's stats (for `batch_stats`)."""
   calls = [0]
 
   def rewards(records: Sequence, n: int) -> np.ndarray:
@@ -260,6 +265,8 @@ def rewards_fn(make: Callable, sampler, method, *, seed: int, weights=None) -> C
       done = eps.run(records, samples_per_prompt=n, seed=seed, step=0,
                      prompt_ids=list(range(calls[0], calls[0] + len(records))))
     calls[0] += len(records)
+    rewards.episodes += [e for f in done for e in f.episodes]
     return np.stack([f.rewards for f in done])
 
+  rewards.episodes = []
   return rewards

@@ -4,7 +4,7 @@ the tokens that follow the policy's end-of-turn token, and the tool-call format 
     r = renderer("chatml", tokenizer, calls=TagCalls({"calc": "calculator"}))
     ids = r.prompt(messages)                  # ends with the assistant generation header
     ids += sampled_turn                       # kept verbatim (its <|im_end|> included)
-    ids += r.env_turn("tool", "1081")         # "\n<|im_start|>tool\n1081<|im_end|>\n<|im_start|>assistant\n"
+    ids += r.env_turn("1081")                 # "\n<|im_start|>tool\n1081<|im_end|>\n<|im_start|>assistant\n"
     turn = r.calls.parse(text_of_sampled_turn)   # ParsedTurn(content, calls, errors)
 
 Environment turns are built from the template's own markers and appended as tokens; the conversation is never
@@ -122,21 +122,38 @@ class Renderer:
     text = "".join(self.header(m["role"]) + m["content"] + self.end + self.between for m in messages)
     return self.tokenizer.encode(text + self.header("assistant"), add_special_tokens=False)
 
-  def env_turn(self, content: str, role: Optional[str] = None, after_eos: bool = True) -> list[int]:
+  def env_turn(self, content, role: Optional[str] = None, after_eos: bool = True) -> list[int]:
     """Tokens appended after the policy's turn: what follows its end token in the template, the environment's
-    message, and the next assistant header. after_eos=False: the turn did not end with the end token (a stop
-    id), so the end marker is written too."""
-    text = ("" if after_eos else self.end) + self.between
-    text += self.header(role or self.tool_role) + self.wrap(content) + self.end + self.between + self.header("assistant")
-    return self.tokenizer.encode(text, add_special_tokens=False)
+    message(s) (`content` a string or one string per tool result, rendered as the template renders that many
+    messages of `role`), and the next assistant header. after_eos=False: the turn did not end with the end
+    token (a stop id), so the end marker is written too."""
+    parts = [content] if isinstance(content, str) else list(content)
+    text = ("" if after_eos else self.end) + self.between + self.messages(parts, role or self.tool_role)
+    return self.tokenizer.encode(text + self.header("assistant"), add_special_tokens=False)
 
-  def wrap(self, content: str) -> str:
+  def messages(self, parts: Sequence[str], role: str) -> str:
+    """Consecutive messages of one role as the template writes them (each a turn of its own here)."""
+    return "".join(self.header(role) + self.wrap(p, role) + self.end + self.between for p in parts)
+
+  def wrap(self, content: str, role: str) -> str:
     return content
 
 
 class _Hermes(Renderer):
-  def wrap(self, content: str) -> str:
-    return f"<tool_response>\n{content}\n</tool_response>"
+  """Qwen2.5's template: tool results are one user turn of `<tool_response>` blocks."""
+
+  def messages(self, parts: Sequence[str], role: str) -> str:
+    if role != self.tool_role:
+      return super().messages(parts, role)
+    body = "\n".join(f"<tool_response>\n{p}\n</tool_response>" for p in parts)
+    return self.header(role) + body + self.end + self.between
+
+
+class _Llama3(Renderer):
+  """Llama 3.1's template writes a tool (ipython) message's string content as JSON (`| tojson`)."""
+
+  def wrap(self, content: str, role: str) -> str:
+    return json.dumps(content) if role == self.tool_role else content
 
 
 def template_append_only(tokenizer) -> bool:
@@ -146,9 +163,10 @@ def template_append_only(tokenizer) -> bool:
     return True
   first = [{"role": "user", "content": "q"}]
   turn = "<think>r</think>a"
-  before = tokenizer.apply_chat_template(first, add_generation_prompt=True)
+  before = tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=False)
   after = tokenizer.apply_chat_template(first + [{"role": "assistant", "content": turn},
-                                                 {"role": "user", "content": "q2"}], add_generation_prompt=True)
+                                                 {"role": "user", "content": "q2"}], add_generation_prompt=True,
+                                        tokenize=False)
   return after.startswith(before + turn)
 
 
@@ -173,7 +191,7 @@ def renderer(family: str, tokenizer, calls=None) -> Renderer:
     return cls(family, tokenizer, calls or JsonCalls(), lambda role: f"<|im_start|>{role}\n", "<|im_end|>", "\n",
                append_only=ok, tool_role="user" if family == "hermes" else "tool")
   if family == "llama3":
-    return Renderer(family, tokenizer, calls or JsonCalls(tag="", arguments_key="parameters"),
+    return _Llama3(family, tokenizer, calls or JsonCalls(tag="", arguments_key="parameters"),
                     lambda role: f"<|start_header_id|>{role}<|end_header_id|>\n\n", "<|eot_id|>", append_only=ok,
                     tool_role="ipython")
   raise ValueError(f"env.renderer={family!r}: use auto, chatml, hermes or llama3")

@@ -50,7 +50,8 @@ class ToolEnv(Environment):
     self.ctx, self.cfg, self.system = ctx, cfg, system
     self.render = renderers.renderer(cfg.renderer, ctx.tokenizer, calls)
     self.runner = tools_lib.ToolRunner(ctx.pool, tools, timeout_s=cfg.tool_timeout_s,
-                                       output_chars=cfg.tool_output_chars, available=cfg.tools_available)
+                                       output_chars=cfg.tool_output_chars, available=cfg.tools_available,
+                                       journal=ctx.journal)
     self.record, self.turns, self.calls = None, 0, 0
 
   def messages(self, record) -> list[dict]:
@@ -83,10 +84,10 @@ class ToolEnv(Environment):
     if self.calls + len(parsed.calls) > self.cfg.max_tool_calls:
       return StepResult(done=True, stop_reason="max_tool_calls", calls=outcomes)
     self.calls += len(parsed.calls)
-    results = await self.runner.run(parsed.calls)
+    results = await self.runner.run(parsed.calls, key=turn.key)
     outcomes += [r.outcome for r in results]
     parts = [f"error: {e}" for e in parsed.errors] + [r.output for r in results]
-    tokens = self.render.env_turn("\n".join(parts), after_eos=turn.finish_reason == "eos")
+    tokens = self.render.env_turn(parts, after_eos=turn.finish_reason == "eos")
     if len(tokens) + 1 > turn.context_left:
       return StepResult(done=True, stop_reason="context_full", calls=outcomes)
     return StepResult(tokens=tokens, calls=outcomes)

@@ -91,11 +91,14 @@ class _Invoke:
 
 class ToolRunner:
   """Runs tool calls in a VerifierPool; see the module docstring. available=False answers every call
-  "unavailable" without running it (a control run: what the policy gains without the tool)."""
+  "unavailable" without running it (a control run: what the policy gains without the tool). With a
+  `journal` (rlax.envs.journal.ToolJournal), a turn's results are journaled under its key and replayed when
+  the same turn comes again (a resumed run)."""
 
   def __init__(self, pool, tools: Sequence[Tool], *, timeout_s: float = 5.0, output_chars: int = 1000,
-               available: bool = True):
+               available: bool = True, journal=None):
     self.pool, self.timeout_s, self.output_chars, self.available = pool, timeout_s, output_chars, available
+    self.journal = journal
     self.tools = {t.name: t for t in tools}
     self._invoke = {t.name: _Invoke(t.fn, output_chars) for t in tools}
 
@@ -106,15 +109,28 @@ class ToolRunner:
     bad = tool.check(call.arguments)
     return ToolResult(f"error: {bad}", "bad_arguments") if bad else None
 
-  async def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
-    """One result per call, in order; the valid calls run in parallel in the pool."""
+  async def run(self, calls: Sequence[ToolCall], key: Optional[Sequence[int]] = None) -> list[ToolResult]:
+    """One result per call, in order; the valid calls run in parallel in the pool. `key` (a turn's
+    `Turn.key`): the journal's entry for the turn, replayed or written."""
+    raw = [c.raw or json.dumps([c.name, c.arguments]) for c in calls]
+    if self.journal is not None and key is not None:
+      hit = self.journal.get(key, raw)
+      if hit is not None:
+        return [ToolResult(*r) for r in hit]
+    results = await self._run(calls)
+    if self.journal is not None and key is not None and calls:
+      self.journal.put(key, raw, [[r.output, r.outcome] for r in results])
+    return results
+
+  async def _run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
     results: list[Optional[ToolResult]] = [self._check(c) for c in calls]
     if not self.available:
       return [r or ToolResult("error: the tool is unavailable", "tool_error") for r in results]
     todo = [i for i, r in enumerate(results) if r is None]
     if todo:
       batch = self.pool.submit([self._invoke[calls[i].name] for i in todo],
-                               [json.dumps(calls[i].arguments) for i in todo], [None] * len(todo), self.timeout_s)
+                               [json.dumps(calls[i].arguments) for i in todo], [None] * len(todo), self.timeout_s,
+                               quiet=True)  # outcomes are counted per step (env/calls_<outcome>)
       graded = await asyncio.to_thread(batch.results)
       for i, (_, info) in zip(todo, graded):
         results[i] = _result(info, self.timeout_s)

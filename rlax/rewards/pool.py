@@ -46,6 +46,7 @@ class _Job:
   completion: str
   record: Any
   timeout_s: float
+  quiet: bool = False  # no warning on failure: the caller counts outcomes (tool calls)
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
   result: Optional[tuple[float, dict]] = None
 
@@ -198,7 +199,9 @@ class VerifierPool:
       else:
         self.completed += 1
         self.errors += bool(result[1].get("error"))
-    if result[1].get("timeout"):
+    if job.quiet:  # the caller counts the outcome
+      pass
+    elif result[1].get("timeout"):
       logging.warning("verifier timed out on %s after %.1fs; its process was killed and replaced",
                       name, job.timeout_s)
     elif result[1].get("error"):
@@ -207,8 +210,9 @@ class VerifierPool:
     job.done.set()
 
   def submit(self, fns: RewardFn | Sequence[RewardFn], completions: Sequence[str],
-             records: Sequence[Any], timeout_s: Optional[float] = None) -> GradeBatch:
-    """Queues one grading per (completion, record); `fns` is one function or one per item."""
+             records: Sequence[Any], timeout_s: Optional[float] = None, quiet: bool = False) -> GradeBatch:
+    """Queues one grading per (completion, record); `fns` is one function or one per item. quiet: failures and
+    timeouts are not logged (the caller counts them: tool calls)."""
     if self._closed:
       raise RuntimeError("this VerifierPool is closed")
     if len(completions) != len(records):
@@ -217,7 +221,7 @@ class VerifierPool:
       fns = [fns] * len(completions)
     if len(fns) != len(completions):
       raise ValueError(f"{len(fns)} reward functions for {len(completions)} completions")
-    jobs = [_Job(f, c, r, timeout_s or self.timeout_s) for f, c, r in zip(fns, completions, records)]
+    jobs = [_Job(f, c, r, timeout_s or self.timeout_s, quiet) for f, c, r in zip(fns, completions, records)]
     for j in jobs:
       self._queue.put(j)
     return GradeBatch(jobs, self)

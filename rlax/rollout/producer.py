@@ -110,7 +110,7 @@ class RolloutProducer:
     """`_round` for multi-turn episodes: every episode of the round to its end, applying each turn's answer
     before the next decode chunk (a schedule fixed by the tokens: deterministic runs regenerate it exactly)."""
     P, G = self.r.prompts_per_step, self.r.samples_per_prompt
-    with self.episodes(self.sampler.stream(self.method, weights=self._source), sync=True) as eps:
+    with self.episodes(self.sampler.stream(self.method, weights=self._source), sync=True, keys=True) as eps:
       done = eps.run(records, samples_per_prompt=G, seed=self.seed, step=s,
                      prompt_ids=[(s * MAX_ROUNDS + rnd) * P + i for i in range(len(records))])
     batch, rows = self._packed(concat_outputs([f.out for f in done]), np.concatenate([f.rewards for f in done]),
@@ -265,7 +265,7 @@ class RolloutProducer:
       if stream is None and self.streams():  # opened once weights are installed
         stream = self.sampler.stream(self.method, weights=self._source)
         if self.episodes is not None:
-          stream = self.episodes(stream, sync=False)
+          stream = self.episodes(stream, sync=False, keys=True)
         self._drawn, self._seq, self._carry = {}, 0, []
       t0 = time.perf_counter()
       batch, (lens, truncated, sources), stats = self._stream_batch(stream, s) if stream else self.batch(s)

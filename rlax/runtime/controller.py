@@ -188,6 +188,8 @@ class Controller:
                                                weights=newest), None
     res = evaluation.evaluate(gen, self.eval_records, self.reward_fn, n=n, ks=sorted({1, n}), grade_fn=self.pool.grade,
                               rewards_fn=episodic)
+    if episodic is not None:  # how the held-out episodes went: turns, tool calls, valid-call rate, stops
+      res.update(episodes_lib.batch_stats(episodic.episodes))
     logging.info("eval (%s): %s", tag, res)
     if self.channel is not None:
       self.channel.set_json(f"eval/{tag}", res)
@@ -377,6 +379,9 @@ class Controller:
       n = run.eval.n_samples
       summary.update({"pass1_before": before["pass@1"], "pass1_after": after["pass@1"],
                       f"pass{n}_before": before[f"pass@{n}"], f"pass{n}_after": after[f"pass@{n}"]})
+      for k in ("env/tool_calls", "env/valid_call_rate"):  # multi-turn: tool use on the held-out episodes
+        if k in after:
+          summary.update({f"{k[4:]}_before": before.get(k), f"{k[4:]}_after": after[k]})
     summary["wall_s"] = time.perf_counter() - t_start
     with open(os.path.join(self.workdir, "summary.json"), "w") as f:
       json.dump(summary, f)

@@ -76,9 +76,19 @@ def test_row_is_sampled_and_appended_segments_in_order(episodes):
       assert [e["turns"] for e in f.episodes] == [3, 3] and f.episodes[i]["appended"] == 5
   # Every turn handed to the environment is a sampled segment of its row, verbatim.
   assert len(seen) == 2 * 2 * 3
+  assert all(t.key is None for t in seen)
   for t in seen:
     assert len(t.tokens) == (FIRST if t.index == 0 else THEN) and t.finish_reason == "length"
     assert np.all(t.logprobs < 0) and np.all(t.versions == 0)
+
+
+def test_training_turns_carry_their_key():
+  """keys=True (training): each turn's key is (seed, step, prompt id, sample, turn), what a resumed run
+  regenerates it under; without keys (evaluation) it is None."""
+  seen = []
+  with envs.EpisodeStream(make().stream(S.Temperature(1.0)), lambda: Scripted(seen), sync=True, keys=True) as eps:
+    eps.run([0, 1], samples_per_prompt=2, seed=3, step=7, prompt_ids=[10, 11])
+  assert sorted(t.key for t in seen) == [(3, 7, p, i, k) for p in (10, 11) for i in range(2) for k in range(3)]
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])

@@ -124,3 +124,52 @@ def test_ref_logprobs_packed_equal_padded(params):
   got = packing.unpack_slots(trainer.ref_logprobs(params, packed), packed, padded) * padded.loss_mask
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   assert np.abs(want).sum() > 0
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("name,kw", [a for a in _algorithms() if a[0] != "ppo"], ids=lambda a: str(a))
+def test_appended_tokens_slots_change_nothing(params, packed, name, kw):
+  """An environment's tokens inside a response (loss mask 0) carry no behaviour or reference log-prob: garbage
+  in those slots changes neither the loss, the KL, the returns (REINFORCE++ with the KL in the reward) nor the
+  importance-ratio metrics, nor any gradient."""
+  algo = A.get_algorithm(name, **kw)
+  clean, dirty = _with_appended_garbage(params)
+  out = []
+  for b in (clean, dirty):
+    b = packing.pack_tokens(b, ROW_LEN, share_prompts=True, row_multiple=2) if packed else b
+    out.append(jax.jit(_objective, static_argnums=(1, 3))(params, algo, jax.tree.map(jnp.asarray, b), 2))
+  (l1, m1, g1), (l2, m2, g2) = out
+  np.testing.assert_array_equal(l2, l1)
+  for k in m1:
+    np.testing.assert_array_equal(m2[k], m1[k], err_msg=k)
+  jax.tree.map(np.testing.assert_array_equal, host(g2), host(g1))
+
+
+def test_appended_tokens_slots_change_nothing_in_ppo(params):
+  """The same through Trainer.step for PPO with its KL reward (GAE over the value model's per-token values)."""
+  algo = A.get_algorithm("ppo", kl_coef=0.05, kl_in_reward=True)
+  out = []
+  for batch in _with_appended_garbage(params):
+    trainer = Trainer(CFG, algo, OptimizerConfig(lr=1e-2), M.make_mesh(jax.devices()[:1]), group_size=G)
+    state, metrics = trainer.step(trainer.init_state(jax.tree.map(jnp.copy, params)), batch)
+    out.append((host(state), host(metrics)))
+  (s1, m1), (s2, m2) = out
+  for k in m1:
+    np.testing.assert_array_equal(m2[k], m1[k], err_msg=k)
+  jax.tree.map(np.testing.assert_array_equal, (s2.params, s2.critic.params), (s1.params, s1.critic.params))
+
+
+def _with_appended_garbage(params):
+  """mixed_batch with four appended tokens inside responses, and a copy with garbage in their log-prob slots."""
+  clean = mixed_batch(params, shared=True)
+  lm = clean.loss_mask.copy()
+  lm[0, P - 1 + 1:P - 1 + 3] = 0.0  # a two-token environment turn between two sampled turns
+  lm[5, P - 1 + 2] = 0.0
+  clean = clean.replace(loss_mask=lm, behaviour_logprobs=clean.behaviour_logprobs * lm,
+                         ref_logprobs=clean.ref_logprobs * lm)
+  appended = (lm == 0) & clean.input_mask[:, 1:]
+  appended[:, :P - 1] = False
+  assert appended.sum() == 4
+  dirty = clean.replace(behaviour_logprobs=np.where(appended, 37.5, clean.behaviour_logprobs),
+                         ref_logprobs=np.where(appended, -1e3, clean.ref_logprobs))
+  return clean, dirty
