@@ -10,7 +10,7 @@ the tokens that follow the policy's end-of-turn token, and the tool-call format 
 Environment turns are built from the template's own markers and appended as tokens; the conversation is never
 re-rendered, so the token stream is what the policy sampled plus what the environment said. `append_only`
 says whether re-rendering the conversation with the model's template gives the same stream: a template that
-drops earlier turns' reasoning (Qwen3's) does not (`template_append_only` detects it).
+drops earlier turns' reasoning (Qwen3's, before a new user turn) does not (`template_append_only` detects it).
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ class JsonCalls:
 @dataclasses.dataclass
 class Renderer:
   """One template family over a tokenizer; see the module docstring. `header(role)` opens a turn, `end`
-  closes one (the policy's own end token is the first token of `end`), `between` follows a closed turn."""
+  closes one (the policy's own end token is the first token of `end`), `between` follows a closed turn;
+  `append_only`: the template renders a policy turn followed by a tool turn verbatim."""
   family: str
   tokenizer: Any
   calls: Any
@@ -156,16 +157,18 @@ class _Llama3(Renderer):
     return json.dumps(content) if role == self.tool_role else content
 
 
-def template_append_only(tokenizer) -> bool:
-  """Whether the tokenizer's template renders a conversation with an assistant turn as the earlier prompt
-  plus that turn verbatim (reasoning included); False when it drops or rewrites earlier turns."""
+def template_append_only(tokenizer, next_role: str = "tool") -> bool:
+  """Whether the tokenizer's template renders a conversation in which an assistant turn (with reasoning) is
+  followed by a `next_role` message as the earlier prompt plus that turn verbatim; False when it drops or
+  rewrites the turn. Qwen3's template keeps the reasoning of turns after the last user query, so tool turns
+  are append-only there while a new user turn is not."""
   if not getattr(tokenizer, "chat_template", None):
     return True
   first = [{"role": "user", "content": "q"}]
   turn = "<think>r</think>a"
   before = tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=False)
   after = tokenizer.apply_chat_template(first + [{"role": "assistant", "content": turn},
-                                                 {"role": "user", "content": "q2"}], add_generation_prompt=True,
+                                                 {"role": next_role, "content": "q2"}], add_generation_prompt=True,
                                         tokenize=False)
   return after.startswith(before + turn)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 from typing import Sequence
 
+from absl import logging
+
 from rlax.envs import renderers
 from rlax.envs import tools as tools_lib
 from rlax.envs.base import EnvContext, Environment, Observation, StepResult, Turn
@@ -49,6 +51,10 @@ class ToolEnv(Environment):
     cfg = ctx.config
     self.ctx, self.cfg, self.system = ctx, cfg, system
     self.render = renderers.renderer(cfg.renderer, ctx.tokenizer, calls)
+    if not self.render.append_only:
+      logging.log_first_n(logging.WARNING, "the chat template drops or rewrites a policy turn when a tool turn "
+                          "follows it; episodes keep the context exactly as sampled (splitting them into rows at "
+                          "such turns is not implemented)", 1)
     self.runner = tools_lib.ToolRunner(ctx.pool, tools, timeout_s=cfg.tool_timeout_s,
                                        output_chars=cfg.tool_output_chars, available=cfg.tools_available,
                                        journal=ctx.journal)

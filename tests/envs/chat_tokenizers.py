@@ -30,9 +30,15 @@ LLAMA3 = (
     "{%- else %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content }}{%- endif %}"
     "{{- '<|eot_id|>' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
-# Qwen3-like: earlier assistant turns lose their reasoning when the conversation is rendered again.
-DROPS_REASONING = CHATML.replace("m['content']", "(m['content'].split('</think>')[-1] if m['role'] == "
-                                 "'assistant' else m['content'])")
+# Qwen3's rule: an assistant turn before the last user query loses its reasoning when the conversation is
+# rendered again (turns after it, answered by tools, keep theirs).
+DROPS_REASONING = (
+    "{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- set c = m.content %}"
+    "{%- if m.role == 'assistant' and loop.index0 < ns.last %}{%- set c = c.split('</think>')[-1] %}{%- endif %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + c + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 SPECIAL = {"chatml": ["<|im_start|>", "<|im_end|>"], "hermes": ["<|im_start|>", "<|im_end|>"],
            "llama3": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}

@@ -2,8 +2,11 @@
 chat template renders for the conversation with the tool results as messages (ChatML as SmolLM2 writes it,
 Qwen2.5's Hermes `<tool_response>` user turns, Llama 3.1's ipython turns); append-only detection."""
 
+import logging
+
 import pytest
 
+from rlax import envs
 from rlax.envs import renderers
 
 from chat_tokenizers import DROPS_REASONING, chat, ids, tokenizer
@@ -43,7 +46,19 @@ def test_a_turn_stopped_without_its_end_token_gets_the_end_marker():
 
 def test_append_only_detection():
   assert renderers.template_append_only(tokenizer("chatml"))
-  assert not renderers.template_append_only(tokenizer("chatml", DROPS_REASONING))
+  qwen3 = tokenizer("chatml", DROPS_REASONING)
+  assert renderers.template_append_only(qwen3)  # tool turns keep the reasoning before them
+  assert not renderers.template_append_only(qwen3, next_role="user")  # a new user query drops it
   assert renderers.family_of(tokenizer("llama3")) == "llama3"
   with pytest.raises(ValueError, match="env.renderer='gemma'"):
     renderers.renderer("gemma", tokenizer("chatml"))
+
+
+def test_tool_env_says_when_the_template_is_not_append_only(caplog):
+  tok = tokenizer("chatml", DROPS_REASONING.replace("m.role == 'assistant' and loop.index0 < ns.last",
+                                                    "m.role == 'assistant'"))  # drops reasoning always
+  ctx = envs.EnvContext(tokenizer=tok, render=None, reward_fn=None, grade=None, pool=None,
+                        config=envs.EnvConfig(renderer="chatml"))
+  with caplog.at_level(logging.WARNING):
+    env = envs.ToolEnv(ctx, [])
+  assert not env.render.append_only and "drops or rewrites a policy turn" in caplog.text

@@ -126,8 +126,10 @@ def test_ref_logprobs_packed_equal_padded(params):
   assert np.abs(want).sum() > 0
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("name,kw", [a for a in _algorithms() if a[0] != "ppo"], ids=lambda a: str(a))
+# Packed rows (the default layout) for every algorithm; padded rows for the two that read the KL per token.
+@pytest.mark.parametrize("packed,name,kw", [(True, n, kw) for n, kw in _algorithms() if n != "ppo"] +
+                         [(False, "grpo", dict(kl_coef=0.1, kl_in_reward=True)),
+                          (False, "reinforce_pp", dict(kl_coef=0.1, kl_in_reward=True))], ids=lambda a: str(a))
 def test_appended_tokens_slots_change_nothing(params, packed, name, kw):
   """An environment's tokens inside a response (loss mask 0) carry no behaviour or reference log-prob: garbage
   in those slots changes neither the loss, the KL, the returns (REINFORCE++ with the KL in the reward) nor the
