@@ -25,6 +25,7 @@ setup(
         "numpy>=2.0,<3",
         "safetensors>=0.5,<0.9",
         "tokenizers>=0.21,<0.24",
+        "jinja2>=3.1,<4",  # HF checkpoints' chat templates
         "jaxtyping>=0.3,<0.4",
         "grain>=0.2.10,<0.3",
         "math-verify>=0.8,<0.10",
