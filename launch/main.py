@@ -19,10 +19,14 @@ import os
 import sys
 import traceback
 
-from absl import app, flags, logging
+from launch import _bootstrap
 
-from launch.flags_util import (DEMO_CONFIG, apply_compilation_cache, apply_cpu_devices, define_compilation_cache,
-                               define_config, define_cpu_devices, parse_or_exit)
+_bootstrap.ensure_installed()  # a clone not installed yet: `pip install -e .` first, then this command again
+
+from absl import app, flags, logging  # noqa: E402
+
+from launch.flags_util import (DEMO_CONFIG, apply_compilation_cache, apply_cpu_devices,  # noqa: E402
+                               define_compilation_cache, define_config, define_cpu_devices, parse_or_exit)
 
 CONFIG = define_config(DEMO_CONFIG)
 CPU_DEVICES = define_cpu_devices()
