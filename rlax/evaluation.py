@@ -34,6 +34,20 @@ def mean_pass_at_k(num_correct: Sequence[int], n: int, k: int) -> float:
   return float(np.mean([pass_at_k(n, int(c), k) for c in num_correct]))
 
 
+def _graded(generate_fn: GenerateFn, chunk: list, reward_fn: RewardFn, n: int, grade_fn) -> np.ndarray:
+  """[len(chunk), n] rewards of n sampled completions per record."""
+  outs = generate_fn(chunk, n)
+  if len(outs) != len(chunk) or any(len(o) != n for o in outs):
+    raise ValueError(f"generate_fn returned {[len(o) for o in outs]} for {len(chunk)} prompts x n={n}")
+  flat_c = [c for o in outs for c in o]
+  flat_r = [r for r in chunk for _ in range(n)]
+  if grade_fn is None:
+    graded = [reward_fn(c, r) for c, r in zip(flat_c, flat_r)]
+  else:
+    graded = grade_fn(reward_fn, flat_c, flat_r)
+  return np.array([g[0] for g in graded], dtype=np.float64).reshape(len(chunk), n)
+
+
 def evaluate(generate_fn: GenerateFn, records: Sequence, reward_fn: RewardFn, n: int,
              ks: Sequence[int] = (1,), success: float = 0.5, batch_size: int = 64,
              grade_fn: Optional[Callable] = None, rewards_fn: Optional[Callable] = None) -> dict[str, float]:
@@ -53,19 +67,8 @@ def evaluate(generate_fn: GenerateFn, records: Sequence, reward_fn: RewardFn, n:
     chunk = list(records[start:start + batch_size])
     if rewards_fn is not None:
       rw = np.asarray(rewards_fn(chunk, n), np.float64).reshape(len(chunk), n)
-      rewards_all.append(rw)
-      correct.extend(int(x) for x in (rw > success).sum(axis=1))
-      continue
-    outs = generate_fn(chunk, n)
-    if len(outs) != len(chunk) or any(len(o) != n for o in outs):
-      raise ValueError(f"generate_fn returned {[len(o) for o in outs]} for {len(chunk)} prompts x n={n}")
-    flat_c = [c for o in outs for c in o]
-    flat_r = [r for r in chunk for _ in range(n)]
-    if grade_fn is None:
-      graded = [reward_fn(c, r) for c, r in zip(flat_c, flat_r)]
     else:
-      graded = grade_fn(reward_fn, flat_c, flat_r)
-    rw = np.array([g[0] for g in graded], dtype=np.float64).reshape(len(chunk), n)
+      rw = _graded(generate_fn, chunk, reward_fn, n, grade_fn)
     rewards_all.append(rw)
     correct.extend(int(x) for x in (rw > success).sum(axis=1))
   by_source = collections.defaultdict(list)
