@@ -7,5 +7,5 @@ from rlax.envs.episodes import EpisodeStream, FinishedEpisodes, batch_stats
 from rlax.envs.journal import ToolJournal
 from rlax.envs.registry import get, names, register
 from rlax.envs.renderers import JsonCalls, ParsedTurn, Renderer, TagCalls, ToolCall, renderer
-from rlax.envs.tool_env import CalculatorEnv, SingleTurnEnv, ToolEnv
+from rlax.envs.tool_env import CalculatorEnv, RetryEnv, SingleTurnEnv, ToolEnv
 from rlax.envs.tools import Tool, ToolResult, ToolRunner, calculator

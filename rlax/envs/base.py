@@ -53,8 +53,11 @@ class StepResult:
   """The environment's answer to a turn. done: the episode ends with `reward` (and `stop_reason`, one of
   STOP_REASONS); else `tokens` are appended (role headers, a tool's output, the next generation header)
   and the policy samples its next turn, at most `max_new_tokens` (None: the context's rest) and also
-  stopping on `stop`. `info` is kept with the episode; `calls` lists the outcome of each tool call made
-  this turn (CALL_OUTCOMES)."""
+  stopping on `stop`. `prompt` instead of `tokens`: the conversation re-rendered, for a template that is not
+  append-only at this turn (one that drops earlier reasoning): the episode goes on in a new row whose prompt
+  is these tokens, and trains as its rows in order, one sequence (the engine's end ids stop the new row).
+  `info` is kept with the episode; `calls` lists the outcome of each tool call made this turn
+  (CALL_OUTCOMES)."""
   reward: float = 0.0
   done: bool = False
   tokens: Sequence[int] = ()
@@ -63,6 +66,7 @@ class StepResult:
   stop_reason: str = ""
   calls: Sequence[str] = ()
   info: dict = dataclasses.field(default_factory=dict)
+  prompt: Sequence[int] = ()
 
   def __post_init__(self):
     if self.done and self.stop_reason and self.stop_reason not in STOP_REASONS:
@@ -70,9 +74,12 @@ class StepResult:
     bad = [c for c in self.calls if c not in CALL_OUTCOMES]
     if bad:
       raise ValueError(f"StepResult.calls has {bad[0]!r}: use one of {', '.join(CALL_OUTCOMES)}")
-    if not self.done and not len(self.tokens):
+    if len(self.prompt) and (len(self.tokens) or len(self.stop)):
+      raise ValueError("StepResult: a re-rendered `prompt` starts a new row; it takes neither `tokens` to "
+                       "append nor `stop` ids")
+    if not self.done and not len(self.tokens) and not len(self.prompt):
       raise ValueError("StepResult: an episode that goes on needs tokens to append (at least the next "
-                       "turn's generation header)")
+                       "turn's generation header) or a re-rendered prompt")
 
 
 class Environment(abc.ABC):
@@ -105,7 +112,7 @@ class EnvContext:
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
   """Multi-turn episodes. name: "" (one-shot rollouts), a registered environment ("single_turn",
-  "calculator") or "module:Class" (a user's Environment, built as Class(ctx: EnvContext) per episode)."""
+  "calculator", "retry") or "module:Class" (a user's Environment, built as Class(ctx: EnvContext) per episode)."""
   name: str = ""
   renderer: str = "auto"          # chat-template family: "auto" (from the template), chatml, llama3, hermes
   max_turns: int = 4              # policy turns per episode
@@ -116,6 +123,7 @@ class EnvConfig:
   tool_output_chars: int = 1000   # longer tool output is cut (counted as "truncated")
   tools_available: bool = True    # False: every call is answered "unavailable" (a control run)
   examples: int = 2               # calculator: worked examples in the conversation
+  retry_message: str = "That is not right. Think again and give the answer."  # retry: the user's reply
 
   def validate(self) -> None:
     for name, ok in (("max_turns", self.max_turns >= 1), ("max_tool_calls", self.max_tool_calls >= 0),

@@ -7,11 +7,11 @@ import importlib
 from typing import Callable
 
 from rlax.envs.base import EnvContext, Environment
-from rlax.envs.tool_env import CalculatorEnv, SingleTurnEnv
+from rlax.envs.tool_env import CalculatorEnv, RetryEnv, SingleTurnEnv
 
 EnvFactory = Callable[[EnvContext], Environment]
 
-_REGISTRY: dict[str, EnvFactory] = {"single_turn": SingleTurnEnv, "calculator": CalculatorEnv}
+_REGISTRY: dict[str, EnvFactory] = {"single_turn": SingleTurnEnv, "calculator": CalculatorEnv, "retry": RetryEnv}
 
 
 def register(name: str, factory: EnvFactory, overwrite: bool = False) -> None:

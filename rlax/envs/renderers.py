@@ -7,10 +7,11 @@ the tokens that follow the policy's end-of-turn token, and the tool-call format 
     ids += r.env_turn("1081")                 # "\n<|im_start|>tool\n1081<|im_end|>\n<|im_start|>assistant\n"
     turn = r.calls.parse(text_of_sampled_turn)   # ParsedTurn(content, calls, errors)
 
-Environment turns are built from the template's own markers and appended as tokens; the conversation is never
-re-rendered, so the token stream is what the policy sampled plus what the environment said. `append_only`
-says whether re-rendering the conversation with the model's template gives the same stream: a template that
-drops earlier turns' reasoning (Qwen3's, before a new user turn) does not (`template_append_only` detects it).
+Environment turns are built from the template's own markers and appended as tokens, so the token stream is
+what the policy sampled plus what the environment said. `append_only` says whether re-rendering the
+conversation with the model's template gives the same stream: a template that drops earlier turns' reasoning
+(Qwen3's, before a new user turn) does not (`template_append_only` detects it), and `next_turn` then gives
+the conversation re-rendered, the prompt of the episode's next row (`StepResult.prompt`).
 """
 
 from __future__ import annotations
@@ -112,6 +113,26 @@ class Renderer:
   between: str = ""
   append_only: bool = True
   tool_role: str = "tool"
+  _append_only: dict = dataclasses.field(default_factory=dict)
+
+  def appends(self, role: str) -> bool:
+    """Whether a `role` message ("tool" or "user") after a policy turn renders append-only."""
+    if role not in self._append_only:
+      self._append_only[role] = self.append_only if role == "tool" else template_append_only(self.tokenizer, role)
+    return self._append_only[role]
+
+  def next_turn(self, conversation: Sequence[dict], parts: Sequence[str], role: str = "tool", *,
+                after_eos: bool = True, tools: Optional[Sequence[dict]] = None) -> dict:
+    """The StepResult fields of the environment's turn: `parts` as messages of `role` ("tool": tool results)
+    after `conversation` (which ends with the policy's turn): the tokens to append where the template renders
+    them append-only, else the whole conversation re-rendered as the next row's prompt."""
+    if self.appends(role):
+      return {"tokens": self.env_turn(list(parts), self.tool_role if role == "tool" else role, after_eos)}
+    return {"prompt": self.prompt(list(conversation) + [{"role": role, "content": p} for p in parts], tools)}
+
+  def message(self, text: str) -> dict:
+    """A sampled turn's text as the assistant message the template renders it from (its end marker dropped)."""
+    return {"role": "assistant", "content": text[:-len(self.end)] if text.endswith(self.end) else text}
 
   def prompt(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> list[int]:
     """The first prompt: the tokenizer's template (with tool schemas where it takes them) and the generation

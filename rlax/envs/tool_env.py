@@ -5,7 +5,9 @@ plain functions, and the calculator task.
 run them in the verifier processes, append their output as an environment turn, and end the episode at the
 policy's final answer (a turn with no call), at `max_turns`, at `max_tool_calls` or when the context is full.
 The reward reads only the policy's last turn, never a tool's output, and is 0 unless the episode ended with
-a final answer: a calculator's result alone earns nothing.
+a final answer: a calculator's result alone earns nothing. `RetryEnv` answers a wrong answer with a user
+turn asking for another try. Where the template is not append-only for the environment's turn, the
+conversation is re-rendered as the prompt of the episode's next row (rlax.envs.episodes).
 """
 
 from __future__ import annotations
@@ -52,13 +54,12 @@ class ToolEnv(Environment):
     self.ctx, self.cfg, self.system = ctx, cfg, system
     self.render = renderers.renderer(cfg.renderer, ctx.tokenizer, calls)
     if not self.render.append_only:
-      logging.log_first_n(logging.WARNING, "the chat template drops or rewrites a policy turn when a tool turn "
-                          "follows it; episodes keep the context exactly as sampled (splitting them into rows at "
-                          "such turns is not implemented)", 1)
+      logging.log_first_n(logging.INFO, "the chat template drops or rewrites a policy turn when a tool turn "
+                          "follows it: each tool turn starts a new row of the episode, its prompt re-rendered", 1)
     self.runner = tools_lib.ToolRunner(ctx.pool, tools, timeout_s=cfg.tool_timeout_s,
                                        output_chars=cfg.tool_output_chars, available=cfg.tools_available,
                                        journal=ctx.journal)
-    self.record, self.turns, self.calls = None, 0, 0
+    self.record, self.turns, self.calls, self.conversation, self.schemas = None, 0, 0, [], None
 
   def messages(self, record) -> list[dict]:
     msgs = [dict(m) for m in record.messages] if record.messages else [{"role": "user", "content": record.prompt}]
@@ -68,9 +69,10 @@ class ToolEnv(Environment):
 
   async def reset(self, record) -> Observation:
     self.record, self.turns, self.calls = record, 0, 0
-    schemas = [t.schema() for t in self.runner.tools.values()] if isinstance(self.render.calls,
-                                                                             renderers.JsonCalls) else None
-    return Observation(self.render.prompt(self.messages(record), schemas))
+    self.schemas = [t.schema() for t in self.runner.tools.values()] if isinstance(self.render.calls,
+                                                                                  renderers.JsonCalls) else None
+    self.conversation = self.messages(record)
+    return Observation(self.render.prompt(self.conversation, self.schemas))
 
   async def final_reward(self, text: str) -> tuple[float, dict]:
     return await grade(self.ctx, text, self.record)
@@ -93,10 +95,38 @@ class ToolEnv(Environment):
     results = await self.runner.run(parsed.calls, key=turn.key)
     outcomes += [r.outcome for r in results]
     parts = [f"error: {e}" for e in parsed.errors] + [r.output for r in results]
-    tokens = self.render.env_turn(parts, after_eos=turn.finish_reason == "eos")
-    if len(tokens) + 1 > turn.context_left:
-      return StepResult(done=True, stop_reason="context_full", calls=outcomes)
-    return StepResult(tokens=tokens, calls=outcomes)
+    return self.answer(text, parts, "tool", turn, calls=outcomes)
+
+  def answer(self, text: str, parts: Sequence[str], role: str, turn: Turn, **kw) -> StepResult:
+    """The environment's turn (`parts` as `role` messages) after the policy's `text`: tokens to append, or
+    the re-rendered conversation (a template not append-only here), or the episode's end when it cannot fit."""
+    self.conversation = self.conversation + [self.render.message(text)]
+    nxt = self.render.next_turn(self.conversation, parts, role, after_eos=turn.finish_reason == "eos",
+                                tools=self.schemas)
+    self.conversation += [{"role": role, "content": p} for p in parts]
+    if "tokens" in nxt and len(nxt["tokens"]) + 1 > turn.context_left:
+      return StepResult(done=True, stop_reason="context_full", **kw)
+    return StepResult(**nxt, **kw)
+
+
+class RetryEnv(ToolEnv):
+  """Answer, hear that it was wrong, try again: a turn whose reward is below 0.5 is answered by a user turn
+  (`env.retry_message`) until `max_turns`; the reward is the last turn's. On a template that drops earlier
+  reasoning before a new user turn (Qwen3's) each retry is a new row of the episode."""
+
+  def __init__(self, ctx: EnvContext):
+    super().__init__(ctx, [])
+
+  async def step(self, turn: Turn) -> StepResult:
+    self.turns += 1
+    text = self.ctx.tokenizer.decode(turn.tokens)
+    if turn.finish_reason in ("length", "budget"):
+      return StepResult(done=True, stop_reason="context_full" if turn.context_left < 1 else "length")
+    reward, info = await self.final_reward(text)
+    if reward >= 0.5 or self.turns >= self.cfg.max_turns:
+      return StepResult(reward=reward, done=True, stop_reason="final_answer" if reward >= 0.5 else "max_turns",
+                        info=info)
+    return self.answer(text, [self.cfg.retry_message], "user", turn)
 
 
 CALCULATOR_SYSTEM = ("You can use a calculator. To compute something, reply with only <calc>expression</calc>, "

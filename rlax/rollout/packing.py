@@ -14,6 +14,7 @@ import numpy as np
 
 from rlax.data.prompts import PromptRenderer
 from rlax.data.records import Record
+from rlax.rollout import stats as rollout_stats
 from rlax.sampler import SampleOutput, strategies
 from rlax.trainer.batch import PackedBatch, RolloutBatch, response_loss_mask
 
@@ -40,14 +41,14 @@ def completions(tokenizer, out: SampleOutput) -> list[str]:
   return [tokenizer.decode(t[:n]) for t, n in zip(toks, lens)]
 
 
-def pack(out: SampleOutput, rewards: np.ndarray, prompt_len: int) -> RolloutBatch:
+def pack(out: SampleOutput, rewards: np.ndarray, prompt_len: int, forks=None) -> RolloutBatch:
   """Sampler output on the host (prompt-major rows) + rewards → the trainer's RolloutBatch, in numpy.
 
   tokens = [prompt left-padded to `prompt_len` | right-padded response], so every
   batch has the same static shape (no trainer recompiles, fixed checkpoint
   shapes); the behaviour log-prob of response token j sits at index P-1+j,
   where token_logprobs scores it. Tokens the policy did not sample (appended by `Stream.extend`) get loss
-  mask 0.
+  mask 0. forks [B, N]: where a response starts a new segment (multi-turn episodes split into rows).
   """
   prompt, pmask = np.asarray(out.prompt_tokens), np.asarray(out.prompt_mask)
   if prompt.shape[1] > prompt_len:
@@ -68,9 +69,11 @@ def pack(out: SampleOutput, rewards: np.ndarray, prompt_len: int) -> RolloutBatc
   row_version = np.where(lens > 0, row_version, out.version).astype(np.int32)
   loss_mask = response_loss_mask(input_mask, P)
   loss_mask[:, P - 1:] *= np.asarray(out.sampled) & rmask
+  if forks is not None:
+    forks = np.concatenate([np.zeros((B, P), np.int32), np.where(rmask, np.asarray(forks, np.int32), 0)], axis=1)
   return RolloutBatch(tokens=tokens, input_mask=input_mask, loss_mask=loss_mask,
                       behaviour_logprobs=blp, rewards=np.asarray(rewards, np.float32), versions=row_version,
-                      group_ids=np.asarray(out.prompt_ids, np.int32), prompt_len=P)
+                      group_ids=np.asarray(out.prompt_ids, np.int32), forks=forks, prompt_len=P)
 
 
 def _sequences(batch: RolloutBatch) -> list[tuple[np.ndarray, int, int]]:
@@ -183,6 +186,7 @@ def pack_tokens(batch: RolloutBatch, row_len: int, *, share_prompts: bool = True
   K = slot_bucket(max([row_len - f - sum(len(pc[0]) for pc in row) for row, f in zip(rows, free)] + [1]), row_len)
   B = batch.batch_size
   tok, lm = np.asarray(batch.tokens), np.asarray(batch.loss_mask, np.float32)
+  forks = np.zeros(tok.shape, np.int32) if batch.forks is None else np.asarray(batch.forks)
   blp = np.asarray(batch.behaviour_logprobs, np.float32)
   per_tok = {"loss_mask": lm, "behaviour_logprobs": blp}
   if batch.ref_logprobs is not None:
@@ -204,13 +208,19 @@ def pack_tokens(batch: RolloutBatch, row_len: int, *, share_prompts: bool = True
       last, o = o + p - 1, o + p
       for b in members:
         _, P, n = seqs[b]
-        sid += 1
-        sl = slice(o, o + n)
-        out["tokens"][r, sl], out["positions"][r, sl] = tok[b, P:P + n], p + np.arange(n)
-        out["segment_ids"][r, sl], out["parents"][r, sl] = sid, parent
-        ks = slice(k, k + n)
-        out["score_index"][r, ks] = np.concatenate([[last], np.arange(o, o + n - 1)])
-        out["targets"][r, ks], out["seq"][r, ks] = tok[b, P:P + n], b
+        sl, ks = slice(o, o + n), slice(k, k + n)
+        out["tokens"][r, sl], out["targets"][r, ks], out["seq"][r, ks] = tok[b, P:P + n], tok[b, P:P + n], b
+        # Segments of the response: the first after the prompt, then one per fork (a new row of an episode
+        # after the prompt, or alone); a segment's first token is scored from the prompt's last (alone: from
+        # itself, an unscored appended token).
+        cuts = [0] + [int(j) for j in np.flatnonzero(forks[b, P + 1:P + n]) + 1] + [n]
+        for a, z in zip(cuts[:-1], cuts[1:]):
+          sid += 1
+          alone = a > 0 and forks[b, P + a] == 2
+          out["segment_ids"][r, o + a:o + z], out["parents"][r, o + a:o + z] = sid, 0 if alone else parent
+          out["positions"][r, o + a:o + z] = (0 if alone else p) + np.arange(z - a)
+          first = o + a if alone else last
+          out["score_index"][r, k + a:k + z] = np.concatenate([[first], np.arange(o + a, o + z - 1)])
         for name, a in per_tok.items():
           out[name][r, ks] = a[b, P - 1:P - 1 + n]
         o, k = o + n, k + n
@@ -238,11 +248,19 @@ def for_trainer(batch: RolloutBatch, trainer, row_lens, share_prompts: bool = Tr
   or several) that costs the fewest FLOPs for this batch (`row_cost`); `row_lens` 0 or (): padded, as is."""
   lens = (row_lens,) if isinstance(row_lens, int) else tuple(row_lens)
   lens = tuple(n for n in lens if n)
+  split = batch.forks is not None and bool(np.any(batch.forks))
+  if not split:
+    batch = batch.replace(forks=None)
   if not lens:
+    if split:
+      raise ValueError("episodes split into rows (a template that is not append-only) train in packed rows; "
+                       "set optimizer.pack_tokens")
     return batch
   packed = [pack_tokens(batch, n, share_prompts=share_prompts, row_multiple=trainer.packed_rows_multiple())
             for n in lens]
   best = min(packed, key=lambda p: row_cost(trainer.model_cfg, *p.tokens.shape))
+  if split:
+    return best
   # At equal FLOPs packed rows run ~10% slower on CPU (no prompt skip in the last layer, segment masks, the
   # slot gather: W2 3.64 vs 3.30 s): a batch with nothing to drop (fixed lengths, no shared prompt) stays padded.
   if row_cost(trainer.model_cfg, *best.tokens.shape) > PACKED_OVERHEAD_RATIO * row_cost(trainer.model_cfg,
@@ -274,19 +292,22 @@ def concat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
   return jax.tree.map(lambda *xs: np.concatenate(xs), *batches)
 
 
-def empty_batch(batch: int, prompt_len: int, new_tokens: int) -> RolloutBatch:
-  """An all-zero numpy RolloutBatch of the static shape `pack` produces (a checkpoint restore template)."""
+def empty_batch(batch: int, prompt_len: int, new_tokens: int, forks: bool = False) -> RolloutBatch:
+  """An all-zero numpy RolloutBatch of the static shape `pack` produces (a checkpoint restore template);
+  forks: with the field episodes fill."""
   T = prompt_len + new_tokens
   z = lambda *s, d=np.float32: np.zeros(s, d)
   return RolloutBatch(tokens=z(batch, T, d=np.int32), input_mask=z(batch, T, d=bool), loss_mask=z(batch, T - 1),
                       behaviour_logprobs=z(batch, T - 1), rewards=z(batch), versions=z(batch, d=np.int32),
-                      group_ids=z(batch, d=np.int32), prompt_len=prompt_len)
+                      group_ids=z(batch, d=np.int32), forks=z(batch, T, d=np.int32) if forks else None,
+                      prompt_len=prompt_len)
 
 
 def text_generate_fn(sampler, render: PromptRenderer, method: strategies.SamplingMethod, seed: int, step: int,
                      weights=None):
   """A `generate_fn(records, n) -> list[list[str]]` over the sampler (for eval and curation); weights: the
-  source the sampler reads (default its own)."""
+  source the sampler reads (default its own). `generate.lengths` collects every completion's (tokens,
+  truncated: it hit max_new_tokens)."""
   calls = [0]
 
   def generate(records: Sequence[Record], n: int) -> list[list[str]]:
@@ -296,7 +317,11 @@ def text_generate_fn(sampler, render: PromptRenderer, method: strategies.Samplin
     out = sampler.generate(ids, samples_per_prompt=n, strategy=method, seed=seed, step=step,
                            prompt_ids=list(range(calls[0], calls[0] + len(ids))), weights=weights)
     calls[0] += len(ids)
-    texts = completions(render.tokenizer, to_host(out))
+    out = to_host(out)
+    texts = completions(render.tokenizer, out)
+    cut = rollout_stats.truncated_from_finish_reason(out.finish_reason)
+    generate.lengths += [(int(t), bool(c)) for t, c in zip(np.asarray(out.lengths), cut)]
     return [texts[i * n:(i + 1) * n] for i in range(len(records))]
 
+  generate.lengths = []
   return generate

@@ -38,7 +38,8 @@ class _Done:
   out: Any
   rewards: np.ndarray
   oldest: int
-  episodes: tuple = ()  # multi-turn: per-episode stats (rlax.envs.episodes.FinishedEpisodes)
+  episodes: tuple = ()  # multi-turn: per-episode stats and forks [G, N] (rlax.envs.episodes.FinishedEpisodes)
+  forks: Optional[np.ndarray] = None
 
 
 class RolloutProducer:
@@ -78,10 +79,10 @@ class RolloutProducer:
     return self.weights.latest() if self.r.inflight_updates else self._current
 
   # -- one batch -------------------------------------------------------------------------------------------
-  def _packed(self, out, rewards, sources) -> tuple[Any, tuple[np.ndarray, ...]]:
-    """A host output of prompt-major rows, its rewards and record sources → (RolloutBatch, per-row info:
-    response lengths, truncated (hit max_new_tokens), sources)."""
-    batch = packing.pack(out, rewards, self.sampler.max_prompt_len)
+  def _packed(self, out, rewards, sources, forks=None) -> tuple[Any, tuple[np.ndarray, ...]]:
+    """A host output of prompt-major rows, its rewards and record sources (and the episodes' forks) →
+    (RolloutBatch, per-row info: response lengths, truncated (hit max_new_tokens), sources)."""
+    batch = packing.pack(out, rewards, self.sampler.max_prompt_len, forks)
     return batch, (np.asarray(out.lengths), rollout_stats.truncated_from_finish_reason(out.finish_reason),
                    np.array(sources, dtype=object))
 
@@ -114,7 +115,8 @@ class RolloutProducer:
       done = eps.run(records, samples_per_prompt=G, seed=self.seed, step=s,
                      prompt_ids=[(s * MAX_ROUNDS + rnd) * P + i for i in range(len(records))])
     batch, rows = self._packed(concat_outputs([f.out for f in done]), np.concatenate([f.rewards for f in done]),
-                               [rec.source for rec in records for _ in range(G)])
+                               [rec.source for rec in records for _ in range(G)],
+                               np.concatenate([f.forks for f in done]))
     eps = np.empty(len(records) * G, dtype=object)
     eps[:] = [e for f in done for e in f.episodes]
     return batch, rows, time.perf_counter() - t0, 0.0, eps
@@ -176,8 +178,8 @@ class RolloutProducer:
     if not finished:
       return []
     if self.episodes is not None:  # rewarded by the environment
-      return [_Done(f.tag[0], f.tag[1], f.out, f.rewards, int(np.min(f.out.versions[:, 0])), tuple(f.episodes))
-              for f in finished]
+      return [_Done(f.tag[0], f.tag[1], f.out, f.rewards, int(np.min(f.out.versions[:, 0])), tuple(f.episodes),
+                    f.forks) for f in finished]
     G = self.r.samples_per_prompt
     out = concat_outputs([f.out for f in finished])
     graded = self.grade(self.reward_fn, packing.completions(self.render.tokenizer, out),
@@ -252,8 +254,9 @@ class RolloutProducer:
     for g in groups:
       del self._drawn[g.seq]
     G = self.r.samples_per_prompt
+    forks = np.concatenate([g.forks for g in groups]) if self.episodes is not None else None
     batch, rows = self._packed(concat_outputs([g.out for g in groups]), np.concatenate([g.rewards for g in groups]),
-                               [g.record.source for g in groups for _ in range(G)])
+                               [g.record.source for g in groups for _ in range(G)], forks)
     return batch, rows, stats
 
   # -- the loop --------------------------------------------------------------------------------------------

@@ -98,9 +98,10 @@ class Stream:
   def submit(self, prompts, *, samples_per_prompt: int = 1, seed: int = 0, step: int = 0,
              prompt_ids: Optional[Sequence[int]] = None, prompt_mask=None,
              max_new_tokens: Union[int, Sequence[int], None] = None, tags: Optional[Sequence] = None,
-             hold: bool = False) -> list:
-    """Queues n prompts x G samples (row keys from (seed, step, prompt id, sample)); returns the tags (one per
-    prompt, default 0..n-1). hold: rows come back one by one and keep their slots for `extend`."""
+             hold: bool = False, first_sample: int = 0) -> list:
+    """Queues n prompts x G samples (row keys from (seed, step, prompt id, sample), samples numbered from
+    first_sample); returns the tags (one per prompt, default 0..n-1). hold: rows come back one by one and keep
+    their slots for `extend`."""
     e, G = self.e, int(samples_per_prompt)
     if G < 1 or e.slots % G:
       raise ValueError(f"samples_per_prompt={G} must be >= 1 and divide slots={e.slots}")
@@ -120,7 +121,8 @@ class Stream:
     if limits.min() < 1 or limits.max() > N:
       raise ValueError(f"generate: max_new_tokens must lie in [1, {N}] (the engine's budget), got "
                        f"{limits.min()}..{limits.max()}")
-    keys = np.asarray(jax.random.key_data(rows_lib.row_keys(seed, step, np.repeat(ids, G), np.tile(np.arange(G), n))))
+    samples = np.tile(first_sample + np.arange(G), n)
+    keys = np.asarray(jax.random.key_data(rows_lib.row_keys(seed, step, np.repeat(ids, G), samples)))
     keys = keys.reshape(n, G, *keys.shape[1:])
     for i in range(n):
       self.queue.append(_Group(tags[i], toks[i], len(rows[i]), int(ids[i]), keys[i], limits[i].copy(), hold))

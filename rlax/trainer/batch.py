@@ -27,7 +27,7 @@ _DTYPES = {"tokens": jnp.int32, "input_mask": jnp.bool_, "loss_mask": jnp.float3
            "behaviour_logprobs": jnp.float32, "rewards": jnp.float32, "versions": jnp.int32,
            "group_ids": jnp.int32, "ref_logprobs": jnp.float32, "advantages": jnp.float32,
            "positions": jnp.int32, "segment_ids": jnp.int32, "parents": jnp.int32, "score_index": jnp.int32,
-           "targets": jnp.int32, "seq": jnp.int32}
+           "targets": jnp.int32, "seq": jnp.int32, "forks": jnp.int32}
 
 
 def _check_dtype(kind: str, name: str, x) -> None:
@@ -63,7 +63,10 @@ class RolloutBatch:
   version that sampled each row); group_ids [B] int32 (prompt id of each row);
   prompt_len (static): P when the first P slots of every row are prompt, so
   that loss_mask[:, :P-1] is 0 and the trainer skips the logits and last-layer
-  MLP there (0: unknown, score every position).
+  MLP there (0: unknown, score every position). forks [B,T] int32 or None:
+  nonzero where a response slot starts a new attention segment of its
+  sequence (a multi-turn episode split into rows, rlax.envs.episodes: 1 after
+  the prompt, 2 alone); such a batch trains packed (rlax.rollout.packing).
   """
   tokens: jax.Array
   input_mask: jax.Array
@@ -74,6 +77,7 @@ class RolloutBatch:
   group_ids: jax.Array
   ref_logprobs: Optional[jax.Array] = None
   advantages: Optional[jax.Array] = None
+  forks: Optional[jax.Array] = None
   prompt_len: int = flax.struct.field(pytree_node=False, default=0)
 
   @property
@@ -102,6 +106,8 @@ class RolloutBatch:
       raise ValueError(f"RolloutBatch.tokens needs T >= 2 (one scored token), got T={T}")
     want = {"tokens": (B, T), "input_mask": (B, T), "loss_mask": (B, T - 1), "behaviour_logprobs": (B, T - 1),
             "rewards": (B,), "versions": (B,), "group_ids": (B,)}
+    if self.forks is not None:
+      want["forks"] = (B, T)
     _check_fields(self, want, (B, T - 1), B, suffix=f" for tokens {(B, T)}")
     if not 0 <= self.prompt_len < T:
       raise ValueError(f"RolloutBatch.prompt_len={self.prompt_len} must be in [0, {T}) for tokens {(B, T)}")

@@ -2,8 +2,6 @@
 chat template renders for the conversation with the tool results as messages (ChatML as SmolLM2 writes it,
 Qwen2.5's Hermes `<tool_response>` user turns, Llama 3.1's ipython turns); append-only detection."""
 
-import logging
-
 import pytest
 
 from rlax import envs
@@ -54,11 +52,3 @@ def test_append_only_detection():
     renderers.renderer("gemma", tokenizer("chatml"))
 
 
-def test_tool_env_says_when_the_template_is_not_append_only(caplog):
-  tok = tokenizer("chatml", DROPS_REASONING.replace("m.role == 'assistant' and loop.index0 < ns.last",
-                                                    "m.role == 'assistant'"))  # drops reasoning always
-  ctx = envs.EnvContext(tokenizer=tok, render=None, reward_fn=None, grade=None, pool=None,
-                        config=envs.EnvConfig(renderer="chatml"))
-  with caplog.at_level(logging.WARNING):
-    env = envs.ToolEnv(ctx, [])
-  assert not env.render.append_only and "drops or rewrites a policy turn" in caplog.text

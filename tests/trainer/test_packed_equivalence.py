@@ -1,4 +1,5 @@
 """A packed batch gives the padded batch's loss, metrics and gradients, for every registered algorithm.
+An episode split into rows (its new rows in segments of their own) trains as the same episode in one row.
 
 The padded path is the reference: one sequence per row, computed as before packing existed. The batch
 mixes prompt lengths (one left-padded prompt), response lengths (a 1-token and an empty response), a
@@ -175,3 +176,70 @@ def _with_appended_garbage(params):
   dirty = clean.replace(behaviour_logprobs=np.where(appended, 37.5, clean.behaviour_logprobs),
                          ref_logprobs=np.where(appended, -1e3, clean.ref_logprobs))
   return clean, dirty
+
+
+def _split_pair(params, seed=0):
+  """Two-turn episodes (2 sampled tokens, a 1-token environment turn, 2 sampled tokens) as rows of one
+  segment, and the same episodes split into two rows whose second prompt re-renders the first row exactly:
+  after the first prompt (rows 0-3: its new tokens are the first turn and the environment's) or alone (rows
+  4-7: the whole conversation). Every sampled token has the same context in both."""
+  rng = np.random.default_rng(seed)
+  n_new = 12
+  prompt = rng.integers(3, CFG.vocab_size, (B, P)).astype(np.int32)
+  r1, env, r2 = (rng.integers(3, CFG.vocab_size, (B, k)).astype(np.int32) for k in (2, 1, 2))
+  one = np.zeros((B, P + n_new), np.int32)
+  one[:, :P + 5] = np.concatenate([prompt, r1, env, r2], axis=1)
+  mask = np.zeros_like(one, bool)
+  mask[:, :P + 5] = True
+  lm = response_loss_mask(mask, P)
+  lm[:, P - 1 + 2] = 0.0  # the environment's token
+  lp = np.asarray(jax.jit(lambda p, t, m: M.token_logprobs(p, CFG, t, input_mask=m))(params, one, mask))
+  behaviour = (lp + 0.3 * rng.normal(size=lp.shape)).astype(np.float32) * lm
+  ref = (lp + 0.2 * rng.normal(size=lp.shape)).astype(np.float32) * lm
+  base = dict(rewards=rng.normal(size=B).astype(np.float32), versions=np.zeros(B, np.int32),
+              group_ids=(np.arange(B) // G).astype(np.int32), prompt_len=P)
+  unsplit = RolloutBatch(tokens=one, input_mask=mask, loss_mask=lm, behaviour_logprobs=behaviour,
+                         ref_logprobs=ref, **base)
+  toks, smask, slm, sb, sr = (np.zeros_like(a) for a in (one, mask, lm, behaviour, ref))
+  forks = np.zeros_like(one)
+  for b in range(B):
+    x = np.concatenate([r1[b], env[b]]) if b < 4 else np.concatenate([prompt[b], r1[b], env[b]])
+    resp = np.concatenate([r1[b], x, r2[b]])
+    toks[b, :P], toks[b, P:P + len(resp)] = prompt[b], resp
+    smask[b, :P + len(resp)] = True
+    forks[b, P + 2] = 1 if b < 4 else 2
+    for src, dst in ((0, 0), (1, 1), (3, 2 + len(x)), (4, 3 + len(x))):  # sampled tokens' slots
+      slm[b, P - 1 + dst], sb[b, P - 1 + dst], sr[b, P - 1 + dst] = 1.0, behaviour[b, P - 1 + src], ref[b, P - 1 + src]
+  split = RolloutBatch(tokens=toks, input_mask=smask, loss_mask=slm, behaviour_logprobs=sb, ref_logprobs=sr,
+                       forks=forks, **base)
+  return unsplit, split
+
+
+@pytest.mark.parametrize("name,kw", [a for a in _algorithms() if a[0] != "ppo"], ids=lambda a: str(a))
+def test_an_episode_split_into_rows_trains_as_the_unsplit_episode(params, name, kw):
+  """A split episode is one sequence: the same loss, metrics (KL, importance ratios, REINFORCE++'s KL to go
+  across its rows) and gradients as the episode kept in one row, when the re-rendered prompt says the same."""
+  algo = A.get_algorithm(name, **kw)
+  unsplit, split = _split_pair(params)
+  jitted = jax.jit(_objective, static_argnums=(1, 3))
+  want = jitted(params, algo, jax.tree.map(jnp.asarray, packing.pack_tokens(unsplit, 32, row_multiple=2)), 2)
+  got = jitted(params, algo, jax.tree.map(jnp.asarray, packing.pack_tokens(split, 32, row_multiple=2)), 2)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+  for k in want[1]:
+    np.testing.assert_allclose(got[1][k], want[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), host(got[2]), host(want[2]))
+
+
+def test_a_split_episode_trains_as_the_unsplit_one_in_ppo(params):
+  """Trainer.step for PPO with its KL reward: GAE runs over the value model's values across the rows."""
+  algo = A.get_algorithm("ppo", kl_coef=0.05, kl_in_reward=True)
+  out = []
+  for batch in _split_pair(params):
+    trainer = Trainer(CFG, algo, OptimizerConfig(lr=1e-2), M.make_mesh(jax.devices()[:1]), group_size=G)
+    packed = packing.pack_tokens(batch, 32)
+    state, metrics = trainer.step(trainer.init_state(jax.tree.map(jnp.copy, params)), packed)
+    out.append((host(state), host(metrics)))
+  (s1, m1), (s2, m2) = out
+  for k in m1:
+    np.testing.assert_allclose(m2[k], m1[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3 * 1e-2), s2.params, s1.params)
