@@ -35,8 +35,13 @@ setup(
         "cloudpickle>=2,<4",  # reward functions defined in a script reach the verifier processes
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "pytest-xdist>=3.6,<4", "torch==2.13.0", "transformers>=5,<6", "pyarrow>=15,<27"],
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.6,<4", "torch==2.13.0", "transformers>=5,<6", "pyarrow>=15,<27",
+                 "datasets>=3,<6", "reasoning-gym>=0.1.20,<0.2"],
         "parquet": ["pyarrow>=15,<27"],
+        "datasets": ["datasets>=3,<6"],  # data files that are Hugging Face datasets directories
+        "reasoning_gym": ["reasoning-gym>=0.1.20,<0.2"],  # data.task=reasoning_gym:<dataset>
+        # launch.fetch_model: the hub, and GGUF files dequantized by transformers
+        "fetch": ["huggingface_hub>=0.30", "torch>=2.4", "transformers>=5,<6", "gguf>=0.10", "accelerate>=1.0"],
         "tpu": ["jax[tpu]>=0.10.2,<0.12"],
         "pathways": ["pathwaysutils"],
         "xmanager": ["xmanager"],

@@ -15,7 +15,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # Model: a preset name plus field overrides, or hf_checkpoint: a local HF directory (config.json,
   # safetensors, tokenizer) whose config and weights the policy starts from (overrides still apply).
-  c.model = ml_collections.ConfigDict(dict(preset="w1", overrides={}, hf_checkpoint=""))
+  # lora: low-rank adapters on the trainer (rank 0: every weight trains); targets "all", "attention", "mlp" or
+  # names (q,k,v,o,gate,up,down); adapters commonly want ~10x the full fine-tuning learning rate.
+  c.model = ml_collections.ConfigDict(dict(preset="w1", overrides={}, hf_checkpoint="",
+                                           lora=dict(rank=0, alpha=16.0, dropout=0.0, targets="all")))
   c.init = ml_collections.ConfigDict(dict(sft_steps=0, sft_batch=64, sft_lr=1e-3))
 
   # Devices → slices → roles.
@@ -62,23 +65,29 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # prompt_style: "instruct" (the task's own prompt, answer in <answer> tags) or "compact"
   # (arithmetic only: "12+34=" → "46"); ops: keep arithmetic problems using only these operators.
-  # train_files / eval_files: the user's .jsonl / .parquet prompts (comma-separated) instead of the task;
-  # template: "chat" / "plain" / "auto" (chat when the tokenizer has a template); instruction: the user
-  # turn around {prompt}.
-  c.data = ml_collections.ConfigDict(dict(task="arithmetic", difficulty=1, n_train=4096, n_eval=128,
-                                          eval_seed=12345, prompt_style="instruct", ops="", train_files="",
-                                          eval_files="", template="auto", system_prompt="",
+  # task: a built-in task, "reasoning_gym:<dataset>" or a mixture "a=2,b=1"; task_options: JSON options.
+  # train_files / eval_files: the user's .jsonl / .json / .parquet prompts or datasets directories
+  # (comma-separated) instead of the task; prompt_key / messages_key / answer_key: the files' field names
+  # (dotted paths); answer_format "gsm8k": the answer after "####". template: "chat" / "plain" / "auto"
+  # (chat when the tokenizer has a template); instruction: the user turn around {prompt}.
+  c.data = ml_collections.ConfigDict(dict(task="arithmetic", task_options="", difficulty=1, n_train=4096,
+                                          n_eval=128, eval_seed=12345, prompt_style="instruct", ops="",
+                                          train_files="", eval_files="", prompt_key="", messages_key="",
+                                          answer_key="", answer_format="", template="auto", system_prompt="",
                                           instruction="{prompt}"))
   # answer: where the final answer is found ("auto", "boxed", "last_number", "answer_tag");
   # format_weight: reward for stating it in that format. Each grading runs in a process under a deadline
   # (timeout_s), an address-space cap (memory_mb) and a size limit (max_chars: longer completions score 0).
   c.reward = ml_collections.ConfigDict(dict(name="arithmetic", answer="auto", format_weight=0.0, workers=4,
                                             timeout_s=5.0, memory_mb=4096, max_chars=1 << 20))
-  # Multi-turn episodes (rlax.envs): name "" = one-shot rollouts; "calculator", "single_turn" or "module:Class".
+  # Multi-turn episodes (rlax.envs): name "" = one-shot rollouts; "calculator", "retry", "single_turn" or
+  # "module:Class".
   c.env = ml_collections.ConfigDict(dict(name="", renderer="auto", max_turns=4, max_tool_calls=4, turn_tokens=0,
                                          context_tokens=0, tool_timeout_s=5.0, tool_output_chars=1000,
-                                         tools_available=True, examples=2))
-  c.eval = ml_collections.ConfigDict(dict(n_samples=8, temperature=1.0))  # on data.n_eval held-out prompts
+                                         tools_available=True, examples=2,
+                                         retry_message="That is not right. Think again and give the answer."))
+  # On data.n_eval held-out prompts; greedy: also greedy accuracy.
+  c.eval = ml_collections.ConfigDict(dict(n_samples=8, temperature=1.0, greedy=False))
   # export_every > 0: also write an HF directory every N steps (the final policy always goes to workdir/export).
   c.checkpoint = ml_collections.ConfigDict(dict(every_steps=50, every_seconds=600.0, keep=3,
                                                 grace_seconds=30.0, export_every=0))

@@ -1,9 +1,10 @@
 """Post-train SmolLM2-135M-Instruct (a real pretrained HF model) with GRPO on held-out arithmetic.
 
-  python ../shared/models/smollm2.py ~/.cache/smollm2-135m-instruct     # materialize the model once
+  python -m launch.fetch_model smollm2 --out=~/.cache/smollm2-135m-instruct   # the model, once
   python -m launch.main --config=configs/smollm2.py
   python -m launch.main --config=configs/smollm2.py --config.model.hf_checkpoint=/path/to/any/llama-or-qwen
   python -m launch.main --config=configs/smollm2.py:smoke   # 2 RL steps, 8 eval prompts: does it all run?
+  python -m launch.main --config=configs/smollm2.py:lora    # the same with LoRA adapters (rank 8, lr 2e-4)
 
 The policy and the reference come from the HF directory (config.json, safetensors), and so do the tokenizer,
 chat template and stop tokens. Problems: one-digit addition/subtraction from rlax's generator
@@ -41,6 +42,10 @@ def get_config(arg: str | None = None):
     c.controller.steps = 2
     c.data.n_eval = 8
     c.eval.n_samples = 2
+  elif arg == "lora":  # the same task and budget with rank-8 adapters on every linear layer
+    c.workdir = "runs/smollm2_lora"
+    c.model.lora.update(rank=8, alpha=16.0, targets="all")
+    c.optimizer.lr = 2e-4  # adapters want ~10x the full fine-tuning rate
   elif arg:
-    raise ValueError(f"configs/smollm2.py: unknown argument {arg!r}; use 'smoke'")
+    raise ValueError(f"configs/smollm2.py: unknown argument {arg!r}; use 'smoke' or 'lora'")
   return c

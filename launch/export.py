@@ -2,6 +2,7 @@
 
   python -m launch.export --workdir=runs/demo --out=/tmp/demo_hf            # the newest checkpoint
   python -m launch.export --workdir=runs/demo --out=/tmp/demo_hf --step=200 --dtype=bfloat16
+  python -m launch.export --workdir=runs/lora --out=/tmp/adapter --lora=adapter    # a LoRA run: PEFT adapters
 
 Runs on the host's CPU (a training job may hold the accelerators). The last output line is one JSON
 object: {"step", "export_dir", "files"}.
@@ -19,6 +20,9 @@ OUT = define_out("Export directory (an earlier export there is replaced).")
 STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the newest).")
 DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
                           "Tensor dtype of the export (default: the run's parameter dtype).")
+LORA = flags.DEFINE_enum("lora", "merged", ["merged", "adapter"],
+                         "A LoRA run: the base with the adapters merged (an HF directory), or the adapters alone "
+                         "(a PEFT directory: adapter_config.json, adapter_model.safetensors).")
 
 
 def main(argv):
@@ -31,7 +35,7 @@ def main(argv):
       lambda r: "orbax" not in r.pathname or (r.levelno >= logging.converter.STANDARD_WARNING
                                               and "read only" not in r.getMessage().replace("_", " ")))
   try:
-    result = export_checkpoint(WORKDIR.value, OUT.value, STEP.value, dtype=DTYPE.value)
+    result = export_checkpoint(WORKDIR.value, OUT.value, STEP.value, dtype=DTYPE.value, lora=LORA.value)
   except ValueError as e:
     print(f"rlax: export: {e}", file=sys.stderr)
     sys.exit(2)

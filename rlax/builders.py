@@ -34,7 +34,8 @@ from rlax.sampler.engine import make_layout
 from rlax.sampler.strategies import SamplingMethod
 from rlax.topology import Topology
 from rlax.trainer import OptimizerConfig, Trainer
-from rlax.weights import CrossProcessTransport, DevicePutTransport, WeightsService
+from rlax.models import lora as lora_lib
+from rlax.weights import AdapterTransport, CrossProcessTransport, DevicePutTransport, WeightsService
 
 
 # -- data and rewards --------------------------------------------------------------------------------------
@@ -79,18 +80,19 @@ def datasets(run: RunConfig) -> tuple[list[Record], list[Record]]:
   """
   d = run.data
   if d.files("train"):
-    train = [r for path in d.files("train") for r in read_records(path)]
+    cols = d.columns()
+    train = [r for path in d.files("train") for r in read_records(path, cols)]
     if d.files("eval"):
-      held, seen = _hold_out([r for path in d.files("eval") for r in read_records(path)], d.n_eval)
+      held, seen = _hold_out([r for path in d.files("eval") for r in read_records(path, cols)], d.n_eval)
     else:
       order = np.random.default_rng(d.eval_seed).permutation(len(train))
       held, seen = _hold_out([train[i] for i in order], d.n_eval)
     train = [r for r in train if r.prompt not in seen]
   else:
-    held, seen = _hold_out(_shape_records(synthetic.generate(d.task, d.n_eval * 8, difficulty=d.difficulty,
-                                                             seed=d.eval_seed), run), d.n_eval)
-    train = [r for r in _shape_records(synthetic.generate(d.task, d.n_train, difficulty=d.difficulty,
-                                                          seed=run.seed), run) if r.prompt not in seen]
+    gen = lambda n, seed: _shape_records(synthetic.generate(d.task, n, difficulty=d.difficulty, seed=seed,
+                                                            options=d.task_options), run)
+    held, seen = _hold_out(gen(d.n_eval * 8, d.eval_seed), d.n_eval)
+    train = [r for r in gen(d.n_train, run.seed) if r.prompt not in seen]
   if not train or not held:
     raise ValueError(f"data: {len(train)} train / {len(held)} held-out records after filtering; "
                      "widen data.ops, raise data.n_train or data.difficulty, or add records")
@@ -140,7 +142,8 @@ def weights_dtype(run: RunConfig):
 def trainer(run: RunConfig, mesh) -> Trainer:
   o, r = run.optimizer, run.rollout
   return Trainer(run.model, run.algorithm, o.optimizer(run.controller.steps), mesh, group_size=r.samples_per_prompt,
-                 micro_batches=o.micro_batches, micro_batch_tokens=o.micro_batch_tokens, temperature=r.temperature)
+                 micro_batches=o.micro_batches, micro_batch_tokens=o.micro_batch_tokens, temperature=r.temperature,
+                 lora=run.lora, lora_seed=run.seed)
 
 
 def pack_lens(run: RunConfig) -> tuple[int, ...]:
@@ -234,7 +237,8 @@ class Components:
 
 
 def weights_service(run: RunConfig, topology: Topology, channel: Optional[Channel] = None,
-                    history_from: Optional[WeightsService] = None) -> WeightsService:
+                    history_from: Optional[WeightsService] = None, trainer: Optional[Trainer] = None
+                    ) -> WeightsService:
   """The weights service between `topology`'s submeshes over the transport the process layout needs.
 
   Deterministic runs with scheduled slice faults keep trainer-side copies of the last k pushes, so a rebuilt
@@ -242,7 +246,13 @@ def weights_service(run: RunConfig, topology: Topology, channel: Optional[Channe
   """
   shardings = models.param_shardings(run.model, topology.sampler_mesh)
   has_trainer, has_sampler = local_roles(topology.trainer_mesh, topology.sampler_mesh)
-  if has_trainer and has_sampler:
+  if run.lora.enabled:  # adapters cross; the sampler merges them into its pristine base (sent once)
+    if not (has_trainer and has_sampler) or trainer is None:
+      raise ValueError("model.lora with the trainer and sampler in different processes is not supported yet")
+    adapters = DevicePutTransport(lora_lib.adapter_shardings(run.model, run.lora, topology.sampler_mesh), None)
+    transport = AdapterTransport(adapters, DevicePutTransport(shardings, None), lambda: trainer.base, run.lora,
+                                 weights_dtype(run))
+  elif has_trainer and has_sampler:
     transport = DevicePutTransport(shardings, weights_dtype(run))
   else:
     if channel is None:
@@ -272,7 +282,8 @@ def components(run: RunConfig, topology: Topology, *, tok: Optional[Tokenizer] =
                                                                                                f"{role}_mesh")
   tr = (reuse.trainer if keep("trainer") else trainer(run, topology.trainer_mesh)) if has_trainer else None
   sa = (reuse.sampler if keep("sampler") else sampler(run, topology.sampler_mesh, tok)) if has_sampler else None
-  weights = weights_service(run, topology, channel, history_from=reuse.weights if reuse is not None else None)
+  weights = weights_service(run, topology, channel, history_from=reuse.weights if reuse is not None else None,
+                            trainer=tr)
   return Components(topology, tr, sa, weights, tok)
 
 

@@ -13,11 +13,12 @@ import dataclasses
 import math
 import os
 import typing
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from rlax import algorithms
 from rlax import models
 from rlax.envs.base import EnvConfig
+from rlax.models.lora import LoraConfig, parse_targets
 from rlax.topology import TopologyConfig
 from rlax.trainer.optimizer import OptimizerConfig
 
@@ -106,11 +107,13 @@ class ControllerConfig:
 class DataConfig:
   """Prompts: a built-in synthetic task or the user's files; the held-out split; how prompts are rendered.
 
-  With `train_files` (comma-separated .jsonl / .parquet, schema in rlax.data.records) the task fields
-  are ignored; the eval set is `eval_files`, or else `n_eval` prompts held out of the training files.
+  With `train_files` (comma-separated .jsonl / .json / .parquet files or `datasets` directories, schema in
+  rlax.data.records; `*_key` map other column names, dotted paths allowed) the task fields are ignored; the
+  eval set is `eval_files`, or else `n_eval` prompts held out of the training files.
   Prompts longer than rollout.max_prompt_len tokens after rendering are dropped and counted.
   """
-  task: str = "arithmetic"
+  task: str = "arithmetic"          # a built-in task, "reasoning_gym:<dataset>", or a mixture "a=2,b=1"
+  task_options: str = ""            # JSON: the task's options (reasoning-gym dataset config) or {task: options}
   difficulty: int = 1
   n_train: int = 4096
   n_eval: int = 128
@@ -119,12 +122,20 @@ class DataConfig:
   ops: str = ""                   # arithmetic: keep problems using only these operators
   train_files: str = ""
   eval_files: str = ""
+  prompt_key: str = ""            # the files' field holding the prompt ("": "prompt")
+  messages_key: str = ""          # ... the conversation ("": "messages")
+  answer_key: str = ""            # ... the reference answer ("": "answer")
+  answer_format: str = ""         # "gsm8k": the answer is the text after "####"
   template: str = "auto"          # "chat" (the tokenizer's chat template), "plain", or "auto"
   system_prompt: str = ""
   instruction: str = "{prompt}"   # the user turn; {prompt} is the record's prompt
 
   def files(self, which: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in getattr(self, f"{which}_files").split(",") if p.strip())
+
+  def columns(self):
+    from rlax.data.records import Columns  # pylint: disable=g-import-not-at-top
+    return Columns(self.prompt_key, self.messages_key, self.answer_key, self.answer_format)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +156,7 @@ class EvalConfig:
   """Held-out pass@k before and after training: `n_samples` samples per eval prompt."""
   n_samples: int = 8
   temperature: float = 1.0
+  greedy: bool = False            # also greedy accuracy (one more greedy completion per prompt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +225,7 @@ class RunConfig:
   checkpoint: CheckpointConfig
   faults: FaultsConfig
   plan: Optional[PlanConfig] = None
+  lora: LoraConfig = LoraConfig()  # model.lora: low-rank adapters (rank 0: every weight trains)
 
   def replace(self, **kw) -> "RunConfig":
     """A copy with top-level fields replaced (sections are frozen: replace them whole)."""
@@ -308,7 +321,15 @@ def load(cd: Any) -> RunConfig:
   workdir = top.get("workdir", "")
   if not isinstance(workdir, str) or not workdir.strip():
     raise ValueError(f"workdir={workdir!r}: give a directory for checkpoints and logs")
-  model = _fields(top.get("model"), ["preset", "overrides", "hf_checkpoint"], "model")
+  model = _fields(top.get("model"), ["preset", "overrides", "hf_checkpoint", "lora"], "model")
+  lora_cfg = _fields(model.pop("lora", None), ["rank", "alpha", "dropout", "targets"], "model.lora")
+  try:
+    lora = LoraConfig(rank=_coerce(lora_cfg.get("rank", 0), int, "model.lora.rank"),
+                      alpha=_coerce(lora_cfg.get("alpha", 16.0), float, "model.lora.alpha"),
+                      dropout=_coerce(lora_cfg.get("dropout", 0.0), float, "model.lora.dropout"),
+                      targets=parse_targets(lora_cfg.get("targets", "all"))).validate()
+  except TypeError as e:
+    raise ValueError(f"model.lora: {e}") from None
   preset = model.get("preset", "w1")
   hf_dir = _coerce(model.get("hf_checkpoint", ""), str, "model.hf_checkpoint")
   overrides = dict(_plain(model.get("overrides", {})) or {})
@@ -343,7 +364,7 @@ def load(cd: Any) -> RunConfig:
                           parse_schedule(faults.get("restore_slice_at", ""), "faults.restore_slice_at"),
                           parse_recovery_kills(faults.get("kill_in_recovery", ""))),
       plan=_section(PlanConfig, top["plan"], "plan") if top.get("plan") is not None else None,
-      **sections)
+      lora=lora, **sections)
   validate(run)
   return run
 
@@ -433,11 +454,18 @@ def validate(run: RunConfig) -> None:
     if not ok:
       raise ValueError(msg)
   run.env.validate()
+  if run.lora.enabled and (run.init.sft_steps or run.faults.any):
+    raise ValueError("model.lora: a warm start (init.sft_steps) or simulated slice faults with adapters are not "
+                     "supported yet")
+  run.data.columns()  # a bad answer_format is one error
   _check_workdir(run.workdir)
   for which in ("train", "eval"):
     for path in run.data.files(which):
+      if os.path.isdir(path.partition("#")[0]):
+        continue  # a datasets directory
       if not path.endswith((".jsonl", ".json", ".parquet")):
-        raise ValueError(f"data.{which}_files: {path!r} is not a .jsonl or .parquet file")
+        raise ValueError(f"data.{which}_files: {path!r} is not a .jsonl, .json or .parquet file or a datasets "
+                         "directory")
       if not os.path.isfile(path):
         raise ValueError(f"data.{which}_files: {path!r} does not exist")
 

@@ -3,7 +3,10 @@
 pass@k (Chen et al. 2021) from n ≥ k samples of which c are correct is 1 - C(n-c, k)/C(n, k),
 computed as the product 1 - ∏_{i=n-c+1}^{n} (1 - k/i), which never forms the huge binomials.
 `evaluate` takes the controller's own `generate_fn(records, n) -> [[completion] * n]` and a
-reward function, and reports pass@k overall and per record source, plus the mean reward.
+reward function, and reports pass@k overall and per record source, plus the mean reward, the mean
+completion length and the truncation rate, and greedy accuracy when given a greedy generate_fn.
+`held_out` is the held-out evaluation of a policy on the sampler, the one the runtime runs before and after
+training and `launch.evaluate` runs on any model: the same numbers for the same model, data, samples and seed.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ from typing import Callable, Optional, Sequence
 
 from absl import logging
 import numpy as np
+
+from rlax.envs import episodes as episodes_lib
+from rlax.rollout import packing
+from rlax.sampler import Greedy
 
 GenerateFn = Callable[[list, int], list[list[str]]]  # (records, n) → n completions each
 RewardFn = Callable[[str, object], tuple[float, dict]]
@@ -50,15 +57,18 @@ def _graded(generate_fn: GenerateFn, chunk: list, reward_fn: RewardFn, n: int, g
 
 def evaluate(generate_fn: GenerateFn, records: Sequence, reward_fn: RewardFn, n: int,
              ks: Sequence[int] = (1,), success: float = 0.5, batch_size: int = 64,
-             grade_fn: Optional[Callable] = None, rewards_fn: Optional[Callable] = None) -> dict[str, float]:
+             grade_fn: Optional[Callable] = None, rewards_fn: Optional[Callable] = None,
+             greedy_fn: Optional[GenerateFn] = None) -> dict[str, float]:
   """Samples n completions per record, grades them, returns metrics.
 
   rewards_fn(records, n) -> [len(records), n] rewards replaces generate_fn and grading (multi-turn episodes,
-  rewarded by their environment).
+  rewarded by their environment; greedy_fn then too: rewards_fn.greedy).
 
   A sample counts as correct when its reward > `success`. `grade_fn(fn, completions, records)`
   may be a `VerifierPool.grade` to grade in parallel (default: sequential calls of `reward_fn`).
-  Returns {'pass@k': ..., 'pass@k/<source>': ..., 'mean_reward': ..., 'num_prompts': ...}.
+  Returns {'pass@k': ..., 'pass@k/<source>': ..., 'mean_reward': ..., 'num_prompts': ..., and, where the
+  generator records them (`.lengths`), 'mean_length' and 'truncation_rate'; with greedy_fn (one greedy
+  completion per record) 'greedy_accuracy' (and per source)}.
   """
   if any(k > n or k < 1 for k in ks):
     raise ValueError(f"every k in {list(ks)} must satisfy 1 <= k <= n={n}")
@@ -81,5 +91,39 @@ def evaluate(generate_fn: GenerateFn, records: Sequence, reward_fn: RewardFn, n:
     if len(by_source) > 1:
       for src, cs in sorted(by_source.items()):
         metrics[f"pass@{k}/{src}"] = mean_pass_at_k(cs, n, k)
+  lengths = getattr(rewards_fn if rewards_fn is not None else generate_fn, "lengths", None)
+  if lengths:
+    metrics["mean_length"] = float(np.mean([t for t, _ in lengths]))
+    metrics["truncation_rate"] = float(np.mean([c for _, c in lengths]))
+  if greedy_fn is not None:
+    right = []
+    for start in range(0, len(records), batch_size):
+      chunk = list(records[start:start + batch_size])
+      rw = (np.asarray(greedy_fn(chunk, 1), np.float64).reshape(len(chunk), 1) if rewards_fn is not None
+            else _graded(greedy_fn, chunk, reward_fn, 1, grade_fn))
+      right.extend(bool(x) for x in rw[:, 0] > success)
+    metrics["greedy_accuracy"] = float(np.mean(right))
+    if len(by_source) > 1:
+      for src in sorted(by_source):
+        metrics[f"greedy_accuracy/{src}"] = float(np.mean([ok for r, ok in zip(records, right) if r.source == src]))
   logging.info("evaluation: %s", {m: round(v, 4) for m, v in metrics.items()})
   return metrics
+
+
+def held_out(records: Sequence, *, sampler, render, reward_fn: RewardFn, pool, method, n: int, seed: int,
+             weights=None, episodes=None, greedy: bool = False) -> dict[str, float]:
+  """Held-out pass@1 and pass@n of the policy `weights` (a source as the sampler reads it; None: its own)
+  on `records`: n samples each with `method`, keys from `seed`, graded in `pool` (or, with `episodes`, the
+  `rlax.builders.episodes` factory, rewarded by the environment; its episode stats added); with greedy,
+  greedy accuracy too."""
+  if episodes is not None:  # through the environment, as training samples it
+    gen, episodic = None, episodes_lib.rewards_fn(episodes, sampler, method, seed=seed, weights=weights)
+    greedy_fn = episodes_lib.rewards_fn(episodes, sampler, Greedy(), seed=seed, weights=weights) if greedy else None
+  else:
+    gen, episodic = packing.text_generate_fn(sampler, render, method, seed=seed, step=0, weights=weights), None
+    greedy_fn = packing.text_generate_fn(sampler, render, Greedy(), seed=seed, step=0, weights=weights) if greedy else None
+  res = evaluate(gen, records, reward_fn, n=n, ks=sorted({1, n}), grade_fn=pool.grade, rewards_fn=episodic,
+                 greedy_fn=greedy_fn)
+  if episodic is not None:  # how the held-out episodes went: turns, tool calls, valid-call rate, stops
+    res.update(episodes_lib.batch_stats(episodic.episodes))
+  return res

@@ -20,8 +20,10 @@ import jax
 from jax.sharding import SingleDeviceSharding
 import orbax.checkpoint as ocp
 
+from rlax import models as models_lib
 from rlax.models import config as model_config
 from rlax.models import hf
+from rlax.models import lora as lora_lib
 from rlax.models.config import ModelConfig
 from rlax.models.hf_tokenizer import Tokenizer
 
@@ -145,6 +147,28 @@ def export_hf(params: Any, cfg: ModelConfig, out_dir: str, *, tokenizer: Optiona
   return sorted(os.listdir(final))
 
 
+def export_peft(adapters: Any, lora: lora_lib.LoraConfig, out_dir: str, *, base_model: str = "") -> list[str]:
+  """Writes LoRA adapters as a PEFT directory (adapter_config.json, adapter_model.safetensors) that
+  `peft.PeftModel.from_pretrained(base, out_dir)` loads onto the base model; returns the file names."""
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  final = os.path.abspath(out_dir)
+  if os.path.lexists(final) and (not os.path.isdir(final) or (os.listdir(final) and not os.path.exists(
+      os.path.join(final, "adapter_config.json")))):
+    raise ValueError(f"export directory {final} exists and is not an earlier adapter export; refusing to replace it")
+  tmp = final + ".tmp"
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  try:
+    save_file(lora_lib.to_peft(adapters), os.path.join(tmp, "adapter_model.safetensors"))
+    _write_json(os.path.join(tmp, "adapter_config.json"), lora_lib.peft_config(lora, base_model))
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  shutil.rmtree(final, ignore_errors=True)
+  os.rename(tmp, final)
+  return sorted(os.listdir(final))
+
+
 def _checkpoints(workdir: str) -> tuple[str, ocp.CheckpointManager]:
   ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
   if not os.path.isdir(ckpt_dir):
@@ -189,23 +213,40 @@ def restore_params(workdir: str, step: Optional[int] = None) -> tuple[int, Any, 
 
 
 def export_checkpoint(workdir: str, out_dir: str, step: Optional[int] = None, *,
-                      dtype: Optional[str] = None) -> dict:
+                      dtype: Optional[str] = None, lora: str = "merged") -> dict:
   """Exports a run's newest (or the given) checkpoint as an HF directory at `out_dir`.
 
   The model config comes from the checkpoint's meta; the tokenizer from the run's `hf_checkpoint`
-  directory, else the demo tokenizer. `dtype` defaults to the run's param dtype.
+  directory, else the demo tokenizer. `dtype` defaults to the run's param dtype. A LoRA run's checkpoint
+  holds adapters: lora="merged" writes the base (its `hf_checkpoint`, or the seed's random init) with them
+  merged, lora="adapter" a PEFT directory of the adapters alone.
   Returns {"step", "export_dir", "files"}.
   """
+  if lora not in ("merged", "adapter"):
+    raise ValueError(f"--lora={lora!r}: use merged or adapter")
   step, params, meta = restore_params(workdir, step)
   run_cfg = meta.get("config") or {}
   if "model" not in run_cfg:
     raise ValueError(f"checkpoint step {step} in {workdir}: its meta has no config.model")
   cfg = model_config.from_dict(run_cfg["model"])
   hf_dir = run_cfg.get("hf_checkpoint", "") or ""
+  if hf_dir and not os.path.isdir(hf_dir):
+    raise ValueError(f"checkpoint step {step} was trained from {hf_dir}, which does not exist any more; "
+                     "its tokenizer files (and, for adapters, its weights) are needed for the export")
+  lc = run_cfg.get("lora") or {}
+  adapters = lc.get("rank", 0) > 0
+  if lora == "adapter" and not adapters:
+    raise ValueError(f"checkpoint step {step} in {workdir} holds full weights, no adapters (--lora=adapter)")
+  if adapters:
+    lcfg = lora_lib.LoraConfig(rank=lc["rank"], alpha=lc["alpha"], dropout=lc["dropout"], targets=tuple(lc["targets"]))
+    if lora == "adapter":
+      files = export_peft(params, lcfg, out_dir, base_model=hf_dir)
+      return {"step": step, "export_dir": os.path.abspath(out_dir), "files": files}
+    cpu = jax.devices("cpu")[0]
+    base = (hf.load_checkpoint(hf_dir, cfg=cfg)[1] if hf_dir else
+            jax.device_put(models_lib.create_params(cfg, seed=run_cfg.get("seed", 0)), cpu))
+    params = jax.jit(lambda b, a: lora_lib.merge(b, a, lcfg))(base, jax.device_put(params, cpu))
   if hf_dir:
-    if not os.path.isdir(hf_dir):
-      raise ValueError(f"checkpoint step {step} was trained from {hf_dir}, which does not exist any more; "
-                       "its tokenizer files are needed for the export")
     files = export_hf(params, cfg, out_dir, tokenizer_dir=hf_dir, dtype=dtype)
   else:
     from rlax.data.tokenizer import demo_tokenizer  # the built-in tasks' tokenizer

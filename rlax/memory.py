@@ -164,10 +164,13 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   live = 1  # micro-batches are a scan: one is live (rlax.trainer.state.accumulate_gradients)
   tensor = dict(mesh.shape)["tensor"]
   isz = _act_itemsize(cfg, platform)
-  params = _tree_bytes(state.params)
-  # Gradients in the parameter dtype and layout: the step's result and the clipped update live together;
+  trained = _tree_bytes(state.params)  # LoRA: the adapters; else the params
+  # Gradients in the trained tree's dtype and layout: the step's result and the clipped update live together;
   # accumulating over micro-batches adds the running sum.
-  grads = params * (2 if n_micro == 1 else 3)
+  grads = trained * (2 if n_micro == 1 else 3)
+  lora = run.lora.enabled
+  # LoRA: the frozen base is held too, and it is the KL reference (no second copy).
+  params = trained + (_param_bytes(cfg, mesh, jnp.dtype(cfg.param_dtype).itemsize) if lora else 0)
   one_layer = _layer_acts(cfg, rows * seq, seq, tensor, isz, _TRAIN_PER_ELEM)
   remat = cfg.remat and (cfg.scan_layers or platform != "cpu")
   if remat:  # each layer's input is kept; one layer at a time is recomputed for its backward pass
@@ -178,10 +181,12 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   copies = _TIED_LOGIT_COPIES if cfg.tie_embeddings else _LOGIT_COPIES
   logits = copies * rows * positions * _split(cfg.vocab_size, tensor) * 4
   notes.update({
-      "trainer.params": f"{cfg.param_dtype}, sharded on the trainer mesh",
-      "trainer.opt_state": "AdamW moments (dtype and layout of the params)",
+      "trainer.params": f"{cfg.param_dtype}, sharded on the trainer mesh" + (
+          f" (the frozen base + rank-{run.lora.rank} adapters)" if lora else ""),
+      "trainer.opt_state": "AdamW moments (dtype and layout of the " + ("adapters)" if lora else "params)"),
       "trainer.grads": f"{cfg.param_dtype}" + (f", + running sum over {n_micro} micro-batches" if n_micro > 1 else ""),
-      "trainer.ref_params": "reference policy (algorithm.kl_coef > 0)" if kl else "none (algorithm.kl_coef = 0)",
+      "trainer.ref_params": ("the frozen base (LoRA: no copy)" if lora else "reference policy (algorithm.kl_coef > 0)")
+                            if kl else "none (algorithm.kl_coef = 0)",
       "trainer.batch": f"{rows_all} {'packed ' if packed else ''}rows x {seq} tokens",
       "trainer.activations": (f"{live} live of {n_micro} micro-batch(es) of {rows} rows x {seq} tokens per device, "
                               + ("remat" if remat else "no remat" + (" (remat needs scan_layers on CPU)"
@@ -194,7 +199,8 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
     critic = cp + _tree_bytes(state.critic.opt_state) + 2 * cp
   notes["trainer.critic"] = ("value model (algorithm ppo): params, AdamW moments, gradients; its activations "
                              "come after the policy's" if critic else "none (no value model)")
-  return dict(params=params, opt_state=_tree_bytes(state.opt_state), grads=grads, ref_params=params if kl else 0,
+  return dict(params=params, opt_state=_tree_bytes(state.opt_state), grads=grads,
+              ref_params=params if kl and not lora else 0,
               critic=critic, batch=_tree_bytes(batch), activations=int(live * acts), logits=int(live * logits))
 
 

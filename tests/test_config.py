@@ -20,8 +20,9 @@ CONFIGS = [("base", None), ("demo", None), ("demo", "smoke"), ("demo", "tiny"),
            *[("algorithm", a) for a in ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
                                         "gspo", "cispo", "ppo")],
            ("paper_qwq32b", None), ("paper_qwq32b", "32k"), ("paper_qwq32b", "tiny"), ("v5p_128", None),
-           ("v5p_128", "tiny"), ("v5p_512", None), ("v5p_512", "tiny"), ("smollm2", None), ("smollm2", "smoke"),
-           ("calculator_tool", None), ("calculator_tool", "control"), ("calculator_tool", "smoke")]
+           ("v5p_128", "tiny"), ("v5p_512", None), ("v5p_512", "tiny"), ("smollm2", None), ("smollm2", "smoke"), ("smollm2", "lora"),
+           ("calculator_tool", None), ("calculator_tool", "control"), ("calculator_tool", "smoke"),
+           ("reasoning_gym", None), ("reasoning_gym", "smoke")]
 
 
 def test_every_config_file_is_listed():

@@ -13,7 +13,11 @@ The file schema (JSONL: one object per line; Parquet: one column per field):
      "answer": "7",                       # reference final answer (or "tests": ["assert f(1) == 2"])
      "task": "math", "source": "gsm8k", "difficulty": 0.3, "metadata": {...}}   # optional
 
-A bad row is one error naming the file and the line (JSONL) or row (Parquet).
+Any other field of a row is kept in `metadata` (reward functions read it there). A file with other column
+names is mapped onto the record by `Columns` (data.prompt_key, messages_key, answer_key: dotted paths into
+the row), with `answer_format="gsm8k"` taking the answer after GSM8K's `####`. Besides JSONL and Parquet,
+a Hugging Face `datasets` directory (`save_to_disk`; `DIR#split` picks a split of a DatasetDict) is read
+through `datasets`. A bad row is one error naming the file and the line (JSONL) or row (Parquet, datasets).
 """
 
 from __future__ import annotations
@@ -24,6 +28,70 @@ import os
 from typing import Any, Iterable, Iterator, Optional
 
 _FIELDS = ("id", "prompt", "messages", "answer", "tests", "task", "source", "difficulty", "metadata")
+ANSWER_FORMATS = ("", "gsm8k")
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns:
+  """Where a file's rows keep the record's fields: dotted paths ("" : the field's own name), and how the
+  answer is written ("": as is; "gsm8k": the text after `####`, thousands separators dropped)."""
+  prompt: str = ""
+  messages: str = ""
+  answer: str = ""
+  answer_format: str = ""
+
+  def __post_init__(self):
+    if self.answer_format not in ANSWER_FORMATS:
+      raise ValueError(f"data.answer_format={self.answer_format!r}: use one of {ANSWER_FORMATS}")
+
+  def apply(self, d: dict, where: str) -> dict:
+    """The row with the mapped fields under their record names; every other field goes to metadata."""
+    out, used = {}, set()
+    for field in ("prompt", "messages", "answer"):
+      path = getattr(self, field)
+      if not path:
+        continue
+      value = _lookup(d, path)
+      if value is _MISSING:
+        raise ValueError(f"{where}: data.{field}_key={path!r} is not in the row; its keys: {_keys(d)}")
+      out[field] = value
+      used.add(path.split(".")[0])
+    if self.answer_format == "gsm8k" and out.get("answer", d.get("answer")) is not None:
+      text = str(out.get("answer", d.get("answer")))
+      if "####" not in text:
+        raise ValueError(f"{where}: data.answer_format='gsm8k' needs '#### <answer>' in the answer, got {text[-60:]!r}")
+      out["answer"] = text.split("####")[-1].strip().replace(",", "")
+    meta = dict(d.get("metadata") or {})
+    for k, v in d.items():
+      if k in out or k in used or k == "metadata":
+        continue
+      if k in _FIELDS:
+        out[k] = v
+      else:
+        meta[k] = v
+    return {**out, "metadata": meta}
+
+
+_MISSING = object()
+
+
+def _lookup(d: Any, path: str) -> Any:
+  for part in path.split("."):
+    if isinstance(d, dict) and part in d:
+      d = d[part]
+    elif isinstance(d, (list, tuple)) and part.isdigit() and int(part) < len(d):
+      d = d[int(part)]
+    else:
+      return _MISSING
+  return d
+
+
+def _keys(d: dict) -> list[str]:
+  """Top-level keys, with one level of nested keys as dotted paths."""
+  out = []
+  for k, v in d.items():
+    out += [f"{k}.{j}" for j in v] if isinstance(v, dict) and v else [k]
+  return sorted(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,24 +218,27 @@ def write_records(records: Iterable[Record], path: str) -> int:
   raise ValueError(f"unsupported record file {path!r}: expected .jsonl or .parquet")
 
 
-def _row(d: Any, where: str) -> Record:
+def _row(d: Any, where: str, columns: Optional[Columns] = None) -> Record:
   if not isinstance(d, dict):
     raise ValueError(f"{where}: bad record: expected a JSON object, got {type(d).__name__}")
   d = {k: v for k, v in d.items() if v is not None}
-  d.setdefault("id", where)
   for key in ("metadata", "messages"):  # Parquet files written by `write_parquet` hold JSON text
     if isinstance(d.get(key), str):
       try:
         d[key] = json.loads(d[key])
       except json.JSONDecodeError:
         raise ValueError(f"{where}: bad record: {key} is a string, not a JSON object") from None
+  if not isinstance(d.get("metadata", {}), dict):
+    raise ValueError(f"{where}: bad record: metadata must be an object, got {type(d['metadata']).__name__}")
+  d = (columns or Columns()).apply(d, where)
+  d.setdefault("id", where)
   try:
     return Record.from_dict(d)
   except (ValueError, TypeError) as e:
     raise ValueError(f"{where}: bad record: {e}") from None
 
 
-def iter_jsonl(path: str) -> Iterator[Record]:
+def iter_jsonl(path: str, columns: Optional[Columns] = None) -> Iterator[Record]:
   """Yields the records of a JSONL file; a malformed line raises naming file and line number."""
   with open(path, "rb") as f:  # decoded per line, so bad bytes are reported with their line
     for lineno, raw in enumerate(f, 1):
@@ -182,10 +253,10 @@ def iter_jsonl(path: str) -> Iterator[Record]:
         d = json.loads(line)
       except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{lineno}: bad record: not JSON ({e})") from None
-      yield _row(d, f"{path}:{lineno}")
+      yield _row(d, f"{path}:{lineno}", columns)
 
 
-def read_parquet(path: str) -> list[Record]:
+def read_parquet(path: str, columns: Optional[Columns] = None) -> list[Record]:
   """Reads records from Parquet (columns named like the Record fields); needs `pyarrow`."""
   try:
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
@@ -196,13 +267,55 @@ def read_parquet(path: str) -> list[Record]:
     rows = pq.read_table(path).to_pylist()
   except Exception as e:  # pyarrow raises OSError or its own ArrowInvalid
     raise ValueError(f"{path}: cannot read as Parquet: {e}") from None
-  return [_row(row, f"{path}:row {i}") for i, row in enumerate(rows)]
+  return [_row(row, f"{path}:row {i}", columns) for i, row in enumerate(rows)]
 
 
-def read_records(path: str) -> list[Record]:
-  """Reads a `.jsonl` or `.parquet` file into memory (prompt sets are small next to models)."""
+def read_dataset(path: str, columns: Optional[Columns] = None) -> list[Record]:
+  """Reads a Hugging Face `datasets` directory (`save_to_disk`); `DIR#split` names a DatasetDict's split
+  (default "train")."""
+  try:
+    import datasets  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ValueError(f"reading {path} needs the `datasets` package: pip install 'rlax-llm[datasets]'") from None
+  root, _, split = path.partition("#")
+  try:
+    ds = datasets.load_from_disk(root)
+  except Exception as e:  # FileNotFoundError or datasets' own errors for a directory that is not a dataset
+    raise ValueError(f"{root}: not a datasets directory (save_to_disk): {type(e).__name__}: {e}") from None
+  if isinstance(ds, datasets.DatasetDict):
+    split = split or "train"
+    if split not in ds:
+      raise ValueError(f"{root}: no split {split!r}; it has {sorted(ds)} (name one as {root}#<split>)")
+    ds = ds[split]
+  elif split:
+    raise ValueError(f"{root}: a single dataset has no splits; drop '#{split}'")
+  return [_row(row, f"{path}:row {i}", columns) for i, row in enumerate(ds)]
+
+
+def is_dataset_dir(path: str) -> bool:
+  root = path.partition("#")[0]
+  return os.path.isdir(root)
+
+
+def _starts_with(path: str, prefix: bytes) -> bool:
+  with open(path, "rb") as f:
+    return f.read(4096).lstrip().startswith(prefix)
+
+
+def read_records(path: str, columns: Optional[Columns] = None) -> list[Record]:
+  """Reads a `.jsonl`, `.json` or `.parquet` file or a `datasets` directory into memory (prompt sets are
+  small next to models); `columns` maps other field names onto the record."""
+  if is_dataset_dir(path):
+    return read_dataset(path, columns)
+  if path.endswith(".json") and _starts_with(path, b"["):  # one JSON array of rows
+    with open(path, "rb") as f:
+      try:
+        rows = json.load(f)
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a JSON array of records ({e})") from None
+    return [_row(row, f"{path}:row {i}", columns) for i, row in enumerate(rows)]
   if path.endswith(".jsonl") or path.endswith(".json"):
-    return list(iter_jsonl(path))
+    return list(iter_jsonl(path, columns))
   if path.endswith(".parquet"):
-    return read_parquet(path)
-  raise ValueError(f"unsupported record file {path!r}: expected .jsonl or .parquet")
+    return read_parquet(path, columns)
+  raise ValueError(f"unsupported record file {path!r}: expected .jsonl, .parquet or a datasets directory")

@@ -9,10 +9,12 @@ integer ≥ 1; what it controls is stated per task. The prompts ask for the fina
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Callable
 
 from rlax.data import expr
+from rlax.data import gym
 from rlax.data.records import Record
 
 ANSWER_INSTRUCTION = "Give the final answer inside <answer></answer>."
@@ -193,8 +195,46 @@ GENERATORS = {"arithmetic": arithmetic, "countdown": countdown, "program": progr
               "multiplication": multiplication}
 
 
-def generate(task: str, n: int, difficulty: int = 1, seed: int = 0) -> list[Record]:
-  """Dispatches to the generator named `task` (one of GENERATORS)."""
-  if task not in GENERATORS:
-    raise ValueError(f"unknown synthetic task {task!r}; choose from {sorted(GENERATORS)}")
-  return GENERATORS[task](n, difficulty=difficulty, seed=seed)
+def _mixture(spec: str) -> list[tuple[str, float]]:
+  """"a" or "a=2,b=1" → [(task, weight)]."""
+  out = []
+  for part in (p.strip() for p in spec.split(",") if p.strip()):
+    name, _, w = part.rpartition("=") if "=" in part.split(":")[-1] else (part, "", "1")
+    try:
+      weight = float(w)
+    except ValueError:
+      raise ValueError(f"data.task={spec!r}: weight {w!r} of {name!r} is not a number") from None
+    if weight <= 0:
+      raise ValueError(f"data.task={spec!r}: weight of {name!r} must be positive")
+    out.append((name.strip(), weight))
+  if not out:
+    raise ValueError("data.task is empty")
+  return out
+
+
+def generate(task: str, n: int, difficulty: int = 1, seed: int = 0, options: str = "") -> list[Record]:
+  """The records of `task`: a generator of GENERATORS, "reasoning_gym:<dataset>" (rlax.data.gym), or a
+  weighted mixture "a=2,b=1" of those (n split by weight, shuffled together).
+  options: JSON, a task's options (reasoning-gym dataset config), or {task: options} for a mixture."""
+  try:
+    opts = json.loads(options) if options else {}
+  except json.JSONDecodeError as e:
+    raise ValueError(f"data.task_options is not JSON: {e}") from None
+  if not isinstance(opts, dict):
+    raise ValueError(f"data.task_options must be a JSON object, got {options!r}")
+  mix = _mixture(task)
+  total = sum(w for _, w in mix)
+  counts = [int(n * w / total) for _, w in mix]
+  counts[-1] += n - sum(counts)
+  out = []
+  for (name, _), k in zip(mix, counts):
+    own = opts.get(name, opts if len(mix) == 1 else {})
+    if name.startswith(gym.PREFIX):
+      out += gym.records(name[len(gym.PREFIX):], k, seed=seed, options=own)
+    elif name in GENERATORS:
+      out += GENERATORS[name](k, difficulty=difficulty, seed=seed)
+    else:
+      raise ValueError(f"unknown task {name!r}; choose from {sorted(GENERATORS)} or reasoning_gym:<dataset>")
+  if len(mix) > 1:  # interleaved: a held-out set drawn from the front has every task
+    random.Random(f"mix/{task}/{seed}").shuffle(out)
+  return out

@@ -9,10 +9,11 @@ the named reward with a final-answer mode and an optional format bonus (see its 
 from __future__ import annotations
 
 import functools
+import importlib
 import math as pymath
 from typing import Callable, Mapping
 
-from rlax.rewards import code, math, text
+from rlax.rewards import code, gym, math, text
 
 RewardFn = Callable[[str, object], tuple[float, dict]]
 
@@ -24,6 +25,7 @@ _REGISTRY: dict[str, RewardFn] = {
     "countdown": text.countdown_reward,
     "code": code.code_reward,
     "digit_sort": text.exact_reward,
+    "reasoning_gym": gym.reasoning_gym_reward,
 }
 _TASK_ALIASES = {"program": "code"}
 
@@ -36,11 +38,21 @@ def register(name: str, fn: RewardFn, overwrite: bool = False) -> None:
 
 
 def get(name: str) -> RewardFn:
-  """The reward named `name`; 'a+b' sums rewards, 'auto' dispatches on record.task."""
+  """The reward named `name`; 'a+b' sums rewards, 'auto' dispatches on record.task, "module:function" is a
+  user's reward (it reads the record, metadata included: a file's extra columns land there)."""
   if "+" in name:
     return combine({n: 1.0 for n in name.split("+")})
   if name == "auto":
     return auto_reward
+  if ":" in name:
+    module, _, attr = name.partition(":")
+    try:
+      fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+      raise ValueError(f"reward {name!r}: cannot import it ({type(e).__name__}: {e})") from None
+    if not callable(fn):
+      raise ValueError(f"reward {name!r} is not a function")
+    return fn
   if name not in _REGISTRY:
     raise ValueError(f"unknown reward {name!r}; registered: {sorted(_REGISTRY) + ['auto']}")
   return _REGISTRY[name]
@@ -48,7 +60,7 @@ def get(name: str) -> RewardFn:
 
 # Built-in rewards that grade a final answer and take the answer mode as `answer=` (digit_sort is
 # exact_reward). Keyed by function, so a reward registered over one of their names is left alone.
-_ANSWER_GRADERS = (math.math_reward, text.exact_reward, text.arithmetic_reward)
+_ANSWER_GRADERS = (math.math_reward, text.exact_reward, text.arithmetic_reward, gym.reasoning_gym_reward)
 
 
 def _with_mode(fn: RewardFn, answer: str) -> RewardFn:
@@ -76,18 +88,22 @@ def build(name: str, *, answer: str = "auto", format_weight: float = 0.0) -> Rew
   """
   parts = name.split("+") if isinstance(name, str) else [None]
   for part in parts:
-    if part != "auto" and part not in _REGISTRY:
+    if part is not None and ":" in part:
+      get(part)  # a user's reward by import path: one error when it does not import
+    elif part != "auto" and part not in _REGISTRY:
       raise ValueError(f"reward.name={name!r}: unknown reward {part!r}; registered: {names()} "
                        "(join several with '+')")
   text.check_answer_mode(answer)
   if (isinstance(format_weight, bool) or not isinstance(format_weight, (int, float))
       or not pymath.isfinite(format_weight) or format_weight < 0):
     raise ValueError(f"reward.format_weight={format_weight!r} must be a finite number >= 0")
-  if answer != "auto" and not any(p == "auto" or _REGISTRY[p] in _ANSWER_GRADERS for p in parts):
+  if answer != "auto" and not any(p == "auto" or _REGISTRY.get(p) in _ANSWER_GRADERS for p in parts):
     raise ValueError(f"reward.answer={answer!r} does not apply to reward.name={name!r}: only math, "
                      "arithmetic, exact, digit_sort (and 'auto' over those tasks) grade a final answer")
 
   def one(part: str) -> RewardFn:
+    if ":" in part:
+      return get(part)
     if part != "auto":
       return _with_mode(_REGISTRY[part], answer)
     if answer == "auto":

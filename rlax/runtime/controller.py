@@ -34,7 +34,6 @@ from rlax import config as config_lib
 from rlax import evaluation
 from rlax import export
 from rlax import memory
-from rlax.envs import episodes as episodes_lib
 from rlax.metrics import MetricsWriter
 from rlax.multihost import Channel
 from rlax.rollout import Closed, RolloutQueue, packing
@@ -178,18 +177,10 @@ class Controller:
     if self.sampler is None:
       return self.channel.get_json(f"eval/{tag}")
     run = self.run_cfg
-    newest = self.weights.latest()
-    method, n = builders.eval_method(run), run.eval.n_samples
-    if self.episodes is not None:  # through the environment, as training samples it
-      gen, episodic = None, episodes_lib.rewards_fn(self.episodes, self.sampler, method, seed=run.seed + 1,
-                                                    weights=newest)
-    else:
-      gen, episodic = packing.text_generate_fn(self.sampler, self.render, method, seed=run.seed + 1, step=0,
-                                               weights=newest), None
-    res = evaluation.evaluate(gen, self.eval_records, self.reward_fn, n=n, ks=sorted({1, n}), grade_fn=self.pool.grade,
-                              rewards_fn=episodic)
-    if episodic is not None:  # how the held-out episodes went: turns, tool calls, valid-call rate, stops
-      res.update(episodes_lib.batch_stats(episodic.episodes))
+    res = evaluation.held_out(self.eval_records, sampler=self.sampler, render=self.render, reward_fn=self.reward_fn,
+                              pool=self.pool, method=builders.eval_method(run), n=run.eval.n_samples,
+                              seed=run.seed + 1, weights=self.weights.latest(), episodes=self.episodes,
+                              greedy=run.eval.greedy)
     logging.info("eval (%s): %s", tag, res)
     if self.channel is not None:
       self.channel.set_json(f"eval/{tag}", res)
@@ -216,6 +207,7 @@ class Controller:
   def _export(self, params, out_dir: str) -> str:
     """The policy as an HF directory (config, safetensors, tokenizer, chat template, generation config)."""
     run = self.run_cfg
+    params = self.trainer.merged_params(params)  # LoRA: the base with the adapters merged
     export.export_hf(params, run.model, out_dir, tokenizer=self.tokenizer, tokenizer_dir=run.hf_checkpoint or None)
     logging.info("exported the policy to %s", out_dir)
     return out_dir
@@ -318,7 +310,9 @@ class Controller:
       if state is None:
         return self._stopped_in_warm_start(sft_done, t_start)
       self._data_after = self.data.get_state() if self.data is not None else {}
-      ref_params = jax.tree.map(lambda x: x.copy(), state.params) if kl else None
+      # LoRA: the reference is the frozen base (no copy); else a copy of the donated params.
+      ref_params = (self.trainer.base if run.lora.enabled else jax.tree.map(lambda x: x.copy(), state.params)
+                    ) if kl else None
       if steps > 0:  # step 0 is saved at once: the warm start's work is kept, and a trainer slice lost
         # before the first periodic checkpoint restarts from these weights
         self.run_state.save(0, state, pending=[], data_state=self._data_after, version=0, history=[],

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rlax import algorithms
 from rlax import models
+from rlax.models import lora as lora_lib
 from rlax.models import sharding as shd
 from rlax.models.init import abstract_params
 from rlax.trainer import critic as critic_lib
@@ -54,19 +55,24 @@ class Trainer:
   if > 0, more micro-batches (the fewest that divide the batch evenly) until
   each device holds at most this many tokens per micro-batch -- on CPU this
   keeps activations in cache and is faster at equal math; logprob_chunk: the
-  sequence chunk of models.token_logprobs; temperature: the sampler's temperature.
+  sequence chunk of models.token_logprobs; temperature: the sampler's temperature; lora: low-rank adapters
+  (rlax.models.lora): the state's params are then the adapters (seeded by lora_seed), the base weights stay
+  frozen in `self.base` (set by `init_state`, or `set_base` on a restore) and are the KL reference too.
   """
 
   def __init__(self, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmConfig,
                optim: OptimizerConfig = OptimizerConfig(),
                mesh: Optional[Mesh] = None, *, group_size: int, micro_batches: int = 1, micro_batch_tokens: int = 0,
-               logprob_chunk: int = 256, temperature: float = 1.0):
+               logprob_chunk: int = 256, temperature: float = 1.0, lora: Optional[lora_lib.LoraConfig] = None,
+               lora_seed: int = 0):
     if micro_batches < 1 or group_size < 1 or micro_batch_tokens < 0:
       raise ValueError(f"need micro_batches >= 1, group_size >= 1 and micro_batch_tokens >= 0, got "
                        f"{micro_batches}, {group_size}, {micro_batch_tokens}")
     self.model_cfg, self.algo, self.optim, self.mesh = model_cfg, algo, optim, mesh
     self.group_size, self.micro_batches, self.micro_batch_tokens = group_size, micro_batches, micro_batch_tokens
     self.chunk, self.temperature = logprob_chunk, temperature
+    self.lora, self.lora_seed = (lora or lora_lib.LoraConfig()).validate(), lora_seed
+    self.base = None  # LoRA: the frozen base weights on the parameter shardings
     self.tx = make_optimizer(optim)
     self._lr = make_schedule(optim)
     # PPO's value model has its own AdamW (same betas and clipping, its own learning rate).
@@ -92,7 +98,30 @@ class Trainer:
     if self.algo.has_value_model:
       c = critic_lib.init_params(params if critic_trunk is None else critic_trunk)
       critic = TrainState(jnp.zeros((), jnp.int32), c, self.critic_tx.init(c))
+    if self.lora.enabled:  # only the adapters train (and carry AdamW moments)
+      params = lora_lib.init(self.model_cfg, self.lora, jax.random.key(self.lora_seed))
     return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), critic)
+
+  def _trained(self):
+    """Abstract tree of what the state's params hold: the model's params, or its adapters."""
+    if self.lora.enabled:
+      return lora_lib.abstract(self.model_cfg, self.lora)
+    return abstract_params(self.model_cfg)
+
+  def _full(self, params, base):
+    """The model's params a forward uses: `params` itself, or the frozen base with the adapters attached."""
+    return lora_lib.attach(base, params, self.lora) if self.lora.enabled else params
+
+  def set_base(self, params) -> None:
+    """LoRA: the frozen base weights (placed on the parameter shardings); the KL reference is this base."""
+    if not self.lora.enabled:
+      raise ValueError("set_base: this trainer has no adapters (model.lora.rank=0)")
+    self.base = params if self.mesh is None else jax.device_put(params, models.param_shardings(self.model_cfg,
+                                                                                                 self.mesh))
+
+  def merged_params(self, params):
+    """The policy as plain weights: `params`, or the base with the adapters merged (export, evaluation)."""
+    return lora_lib.merge(self.base, params, self.lora) if self.lora.enabled else params
 
   def state_shardings(self) -> Optional[TrainState]:
     """TrainState of the shardings `init_state` and the steps produce (None without a mesh): params and
@@ -102,9 +131,10 @@ class Trainer:
   def _make_state_shardings(self) -> Optional[TrainState]:
     if self.mesh is None:
       return None
-    shard = models.param_shardings(self.model_cfg, self.mesh)
+    shard = (lora_lib.adapter_shardings(self.model_cfg, self.lora, self.mesh) if self.lora.enabled
+             else models.param_shardings(self.model_cfg, self.mesh))
     rep = NamedSharding(self.mesh, P())
-    opt = jax.eval_shape(self.tx.init, abstract_params(self.model_cfg))
+    opt = jax.eval_shape(self.tx.init, self._trained())
     opt_shard = optax.tree_map_params(self.tx, lambda _, s: s, opt, shard, transform_non_params=lambda _: rep)
     critic = None
     if self.algo.has_value_model:
@@ -156,11 +186,17 @@ class Trainer:
     e.g. `abstract_state()` and `abstract_batch(...)`); the batch is laid out as `place` lays it out."""
     batch.check(self.group_size)
     self.num_micro_batches(*batch.tokens.shape)
+    base = None
+    if self.lora.enabled:
+      shards = None if self.mesh is None else models.param_shardings(self.model_cfg, self.mesh)
+      base = abstract_params(self.model_cfg) if shards is None else jax.tree.map(
+          lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract_params(self.model_cfg), shards)
     with self._ctx():
-      return self._rl.lower(state, self._as_placed(batch))
+      return self._rl.lower(state, self._as_placed(batch), base)
 
   def init_state(self, params) -> TrainState:
-    """TrainState(step=0, params, AdamW state) on `state_shardings()`; params must match the model config."""
+    """TrainState(step=0, params, AdamW state) on `state_shardings()`; params must match the model config.
+    LoRA: `params` become the frozen base and the state holds fresh adapters (B = 0) instead."""
     want = abstract_params(self.model_cfg)
     if jax.tree.structure(params) != jax.tree.structure(want):
       raise ValueError("init_state: parameter tree does not match the trainer's model config")
@@ -171,9 +207,13 @@ class Trainer:
     shardings = self.state_shardings()
     trunk = (critic_lib.load_trunk(self.algo.critic_init, self.model_cfg, self.mesh) if self.algo.has_value_model
              else None)
+    if self.lora.enabled:
+      self.set_base(params)
+      params = self.base
     if shardings is None:
       return jax.jit(self._new_state)(params, trunk)
-    params = jax.device_put(params, shardings.params)
+    if not self.lora.enabled:
+      params = jax.device_put(params, shardings.params)
     with self._ctx():
       return jax.jit(self._new_state, out_shardings=shardings)(params, trunk)
 
@@ -212,16 +252,22 @@ class Trainer:
       raise ValueError(f"{self.algo.name} trains a value model: the state has none (make it with this "
                        "trainer's init_state)")
     batch = self.place(batch)
+    self._need_base()
     with self._ctx():
-      return self._rl(state, batch)
+      return self._rl(state, batch, self.base)
 
   def sft_step(self, state: TrainState, batch: SFTBatch) -> tuple[TrainState, dict]:
     """One supervised update (cross-entropy on loss_mask tokens); metrics: loss, grad_norm, lr, tokens."""
     batch.check()
     self.num_micro_batches(*batch.tokens.shape)
     batch = self.place(batch)
+    self._need_base()
     with self._ctx():
-      return self._sft(state, batch)
+      return self._sft(state, batch, self.base)
+
+  def _need_base(self) -> None:
+    if self.lora.enabled and self.base is None:
+      raise ValueError("a LoRA trainer needs its base weights: init_state(params) or set_base(params) first")
 
   def ref_logprobs(self, ref_params, batch: RolloutBatch | PackedBatch | SFTBatch) -> jax.Array:
     """Reference-model log-probs f32 of the batch's tokens (no gradient), aligned with loss_mask ([B, T-1]
@@ -247,14 +293,14 @@ class Trainer:
     return self._rows_in_micro_batches(
         lambda mb: layout.logprobs(params, self.model_cfg, mb, chunk=self.chunk, temperature=self.temperature), x)
 
-  def _rl_step(self, state: TrainState, batch: RolloutBatch | PackedBatch):
+  def _rl_step(self, state: TrainState, batch: RolloutBatch | PackedBatch, base=None):
     self.traces["rl_step"] += 1
     old = None
     ppo = self.algo.has_value_model
     layout = layouts.of(batch)
     if (batch.advantages is None or ppo) and rl.kl_reward_old_logprobs(self.algo):
       # KL in the reward is measured from the old policy (the params at step start), not the sampler.
-      old = self._ref_logprobs(state.params, layout.inputs(batch), layout)
+      old = self._ref_logprobs(self._full(state.params, base), layout.inputs(batch), layout)
     targets = None
     if ppo:
       targets = self._value_targets(state.critic.params, batch, old)
@@ -264,7 +310,8 @@ class Trainer:
     num_tokens, num_seqs = algorithms.denominators(inputs.loss_mask, layout.segments(inputs.model))
 
     def loss_fn(params, mb):
-      return rl.rl_loss(params, self.model_cfg, self.algo, mb, num_tokens=num_tokens, num_seqs=num_seqs,
+      return rl.rl_loss(self._full(params, base), self.model_cfg, self.algo, mb, num_tokens=num_tokens,
+                        num_seqs=num_seqs,
                         num_rows=batch.batch_size, chunk=self.chunk, temperature=self.temperature, layout=layout)
 
     n = self.num_micro_batches(*batch.tokens.shape)
@@ -337,11 +384,11 @@ class Trainer:
                "value_warmup": warm.astype(jnp.float32)}
     return new_state.replace(critic=critic), metrics
 
-  def _sft_step(self, state: TrainState, batch: SFTBatch):
+  def _sft_step(self, state: TrainState, batch: SFTBatch, base=None):
     num_tokens = jnp.sum(batch.loss_mask.astype(jnp.float32))
 
     def loss_fn(params, mb):
-      return sft_loss(params, self.model_cfg, mb, num_tokens=num_tokens, chunk=self.chunk)
+      return sft_loss(self._full(params, base), self.model_cfg, mb, num_tokens=num_tokens, chunk=self.chunk)
 
     grads, loss, stacked = accumulate_gradients(loss_fn, state.params, batch,
                                                 self.num_micro_batches(*batch.tokens.shape))

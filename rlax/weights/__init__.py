@@ -1,4 +1,5 @@
-"""Trainer → sampler weights: one versioned service, two transports (device_put; cross-process collective)."""
+"""Trainer → sampler weights: one versioned service, its transports (device_put; cross-process collective;
+LoRA adapters merged into the sampler's pristine base)."""
 
 from rlax.weights.service import WeightsService
-from rlax.weights.transports import CrossProcessTransport, DevicePutTransport, Transport
+from rlax.weights.transports import AdapterTransport, CrossProcessTransport, DevicePutTransport, Transport

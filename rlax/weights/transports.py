@@ -11,6 +11,9 @@ from __future__ import annotations
 import time
 from typing import Any, Optional, Protocol
 
+import jax
+
+from rlax.models import lora as lora_lib
 from rlax.multihost import Channel, CrossMeshPush
 from rlax.weights.reshard import reshard
 
@@ -73,3 +76,36 @@ class CrossProcessTransport:
 
   def close(self) -> None:
     self.channel.set(f"weights/{self._sent}", "end")
+
+
+class AdapterTransport:
+  """LoRA: a push carries the adapters only (`adapters`: a transport for the adapter tree, f32); the sampler
+  side merges each version into its pristine copy of the base (`base`: a transport for the full tree, sent
+  once, from `base_source()`, the trainer's frozen base), W + A @ B * scale in one jitted compute."""
+
+  def __init__(self, adapters: Any, base: Any, base_source, lora, dtype: Any):
+    self.adapters, self.base, self.base_source, self.lora = adapters, base, base_source, lora
+    self._pristine = None
+    out = getattr(base, "shardings", None)  # merged weights on the sampler's own parameter shardings
+    self._merge = jax.jit(lambda b, a: jax.tree.map(lambda x: x.astype(dtype), lora_lib.merge(b, a, lora)),
+                          **({} if out is None else dict(out_shardings=out)))
+
+  def send(self, trainer_params: Any, version: int) -> tuple[Optional[Any], dict[str, float]]:
+    t0 = time.perf_counter()
+    stats = {}
+    if self._pristine is None:  # the base crosses once, in the params' own dtype (merging stays exact)
+      self._pristine, base_stats = self.base.send(self.base_source(), version)
+      stats.update({f"base_{k}": v for k, v in base_stats.items()})
+    got, ad = self.adapters.send(trainer_params, version)
+    stats.update(ad)
+    if got is not None:
+      got = self._merge(self._pristine, got)
+      stats["merge_s"] = time.perf_counter() - t0 - stats.get("sync_s", 0.0) - stats.get("base_sync_s", 0.0)
+    return got, stats
+
+  def receive(self):
+    raise RuntimeError("AdapterTransport delivers on send; there is nothing to receive")
+
+  def close(self) -> None:
+    self.adapters.close()
+    self.base.close()

@@ -62,7 +62,7 @@ def test_program_reference_solutions_pass_their_tests():
 def test_bad_arguments():
   with pytest.raises(ValueError, match="difficulty"):
     synthetic.arithmetic(3, difficulty=0)
-  with pytest.raises(ValueError, match="unknown synthetic task"):
+  with pytest.raises(ValueError, match="unknown task"):
     synthetic.generate("poetry", 3)
 
 

@@ -4,7 +4,6 @@ Qwen2.5's Hermes `<tool_response>` user turns, Llama 3.1's ipython turns); appen
 
 import pytest
 
-from rlax import envs
 from rlax.envs import renderers
 
 from chat_tokenizers import DROPS_REASONING, chat, ids, tokenizer
