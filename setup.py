@@ -36,7 +36,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8,<10", "pytest-xdist>=3.6,<4", "torch==2.13.0", "transformers>=5,<6", "pyarrow>=15,<27",
-                 "datasets>=3,<6", "reasoning-gym>=0.1.20,<0.2"],
+                 "datasets>=3,<6", "reasoning-gym>=0.1.20,<0.2", "peft>=0.15,<1", "gguf>=0.10", "accelerate>=1.0"],
         "parquet": ["pyarrow>=15,<27"],
         "datasets": ["datasets>=3,<6"],  # data files that are Hugging Face datasets directories
         "reasoning_gym": ["reasoning-gym>=0.1.20,<0.2"],  # data.task=reasoning_gym:<dataset>
