@@ -20,16 +20,17 @@ _bootstrap.ensure_installed()
 from absl import app, flags, logging  # noqa: E402
 
 from launch.flags_util import (DEMO_CONFIG, apply_compilation_cache, apply_cpu_devices,  # noqa: E402
-                               define_compilation_cache, define_config, define_cpu_devices, parse_or_exit)
+                               define_compilation_cache, define_config, define_cpu_devices, define_step,
+                               define_task, parse_or_exit)
 
 CONFIG = define_config(DEMO_CONFIG)
 CPU_DEVICES = define_cpu_devices()
 COMPILATION_CACHE = define_compilation_cache()
 MODEL = flags.DEFINE_string("model", None, "A Hugging Face model directory (launch.fetch_model makes one).")
 CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A run's workdir: evaluate its newest (or --step) checkpoint.")
-STEP = flags.DEFINE_integer("step", None, "With --checkpoint: the checkpoint step (default: the newest).")
+STEP = define_step("With --checkpoint: the checkpoint step (default: the newest).")
 DATA = flags.DEFINE_string("data", None, "Comma-separated data files or datasets directories: every record.")
-TASK = flags.DEFINE_string("task", None, "A task (as data.task): its held-out set as a run draws it.")
+TASK = define_task(None, "A task (as data.task): its held-out set as a run draws it.")
 N_SAMPLES = flags.DEFINE_integer("n_samples", None, "Samples per prompt (default: the config's eval.n_samples).")
 N_PROMPTS = flags.DEFINE_integer("n_prompts", 0, "Evaluate the first N records only (0: all).")
 GREEDY = flags.DEFINE_bool("greedy", True, "Also greedy accuracy (one greedy completion per prompt).")

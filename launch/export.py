@@ -13,11 +13,11 @@ import sys
 
 from absl import app, flags, logging
 
-from launch.flags_util import define_out, define_workdir, parse_or_exit
+from launch.flags_util import define_out, define_step, define_workdir, parse_or_exit
 
 WORKDIR = define_workdir(None, "The run's workdir (it holds checkpoints/<step>).")
 OUT = define_out("Export directory (an earlier export there is replaced).")
-STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the newest).")
+STEP = define_step("Checkpoint step to export (default: the newest).")
 DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
                           "Tensor dtype of the export (default: the run's parameter dtype).")
 LORA = flags.DEFINE_enum("lora", "merged", ["merged", "adapter"],

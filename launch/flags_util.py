@@ -73,6 +73,16 @@ def define_workdir(default, help_text: str) -> flags.FlagHolder[str]:
   return flags.DEFINE_string("workdir", default, help_text, required=default is None)
 
 
+def define_step(help_text: str) -> flags.FlagHolder[int]:
+  """--step: a checkpoint step (default None: the newest)."""
+  return flags.DEFINE_integer("step", None, help_text)
+
+
+def define_task(default, help_text: str) -> flags.FlagHolder[str]:
+  """--task: a task as data.task names it (a built-in generator, reasoning_gym:<dataset>, or a mixture)."""
+  return flags.DEFINE_string("task", default, help_text)
+
+
 def define_out(help_text: str) -> flags.FlagHolder[str]:
   """--out: where an entry point writes its result (required)."""
   return flags.DEFINE_string("out", None, help_text, required=True)

@@ -2,6 +2,7 @@
 
   python -m launch.make_data --task=arithmetic --n=200 --seed=1 --out=/tmp/eval.jsonl
   python -m launch.make_data --task=countdown --n=200 --out=/tmp/train.parquet   # needs pyarrow
+  python -m launch.make_data --task=reasoning_gym:leg_counting=1,arithmetic=1 --n=200 --out=/tmp/mix.jsonl
   python -m launch.make_data --task=arithmetic --difficulty=2 --dedup --decontaminate=/tmp/eval.jsonl --out=/tmp/a.jsonl
 """
 
@@ -11,12 +12,14 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from launch.flags_util import define_out, parse_or_exit
+from launch.flags_util import define_out, define_task, parse_or_exit
 from rlax.data import curation
 from rlax.data import records as records_lib
 from rlax.data import synthetic
 
-_TASK = flags.DEFINE_enum("task", "arithmetic", sorted(synthetic.GENERATORS), "Synthetic task.")
+_TASK = define_task("arithmetic", f"Task: one of {', '.join(sorted(synthetic.GENERATORS))}, "
+                    "reasoning_gym:<dataset>, or a weighted mixture a=2,b=1.")
+_OPTIONS = flags.DEFINE_string("task_options", "", "JSON options of the task (reasoning-gym dataset config).")
 _N = flags.DEFINE_integer("n", 1000, "Number of problems.", lower_bound=1)
 _DIFFICULTY = flags.DEFINE_integer("difficulty", 1, "Task difficulty (>= 1).", lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", 0, "Generator seed.")
@@ -28,7 +31,8 @@ _DECON = flags.DEFINE_string("decontaminate", None, "Eval .jsonl whose prompts m
 def main(argv):
   del argv
   try:
-    recs = synthetic.generate(_TASK.value, _N.value, difficulty=_DIFFICULTY.value, seed=_SEED.value)
+    recs = synthetic.generate(_TASK.value, _N.value, difficulty=_DIFFICULTY.value, seed=_SEED.value,
+                              options=_OPTIONS.value)
     if _DEDUP.value:
       recs, _ = curation.exact_dedup(recs)
       recs, _ = curation.near_dedup(recs)

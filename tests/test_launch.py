@@ -61,7 +61,8 @@ def test_no_flag_is_defined_in_two_launch_modules():
   assert where["cpu_devices"] == ["flags_util.py"] and where["config"] == ["flags_util.py"]
 
 
-_HELP = ["export", "fault_inject", "main", "make_data", "multihost", "plan", "tpu", "xm_launch"]
+_HELP = ["evaluate", "export", "fault_inject", "fetch_model", "main", "make_data", "multihost", "plan", "tpu",
+         "xm_launch"]
 
 
 def test_every_entry_point_has_a_check_here():

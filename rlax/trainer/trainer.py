@@ -192,7 +192,7 @@ class Trainer:
       base = abstract_params(self.model_cfg) if shards is None else jax.tree.map(
           lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract_params(self.model_cfg), shards)
     with self._ctx():
-      return self._rl.lower(state, self._as_placed(batch), base)
+      return self._rl.lower(state, self._as_placed(batch), *self._base_arg(base))
 
   def init_state(self, params) -> TrainState:
     """TrainState(step=0, params, AdamW state) on `state_shardings()`; params must match the model config.
@@ -252,22 +252,22 @@ class Trainer:
       raise ValueError(f"{self.algo.name} trains a value model: the state has none (make it with this "
                        "trainer's init_state)")
     batch = self.place(batch)
-    self._need_base()
     with self._ctx():
-      return self._rl(state, batch, self.base)
+      return self._rl(state, batch, *self._base_arg(self.base))
 
   def sft_step(self, state: TrainState, batch: SFTBatch) -> tuple[TrainState, dict]:
     """One supervised update (cross-entropy on loss_mask tokens); metrics: loss, grad_norm, lr, tokens."""
     batch.check()
     self.num_micro_batches(*batch.tokens.shape)
     batch = self.place(batch)
-    self._need_base()
     with self._ctx():
-      return self._sft(state, batch, self.base)
+      return self._sft(state, batch, *self._base_arg(self.base))
 
-  def _need_base(self) -> None:
-    if self.lora.enabled and self.base is None:
+  def _base_arg(self, base) -> tuple:
+    """The steps' third argument, the frozen base, with LoRA only (full fine-tuning keeps (state, batch))."""
+    if self.lora.enabled and base is None:
       raise ValueError("a LoRA trainer needs its base weights: init_state(params) or set_base(params) first")
+    return (base,) if self.lora.enabled else ()
 
   def ref_logprobs(self, ref_params, batch: RolloutBatch | PackedBatch | SFTBatch) -> jax.Array:
     """Reference-model log-probs f32 of the batch's tokens (no gradient), aligned with loss_mask ([B, T-1]
