@@ -3,9 +3,9 @@ class by import path, `env.name="my_pkg.envs:MyEnv"` (built as `MyEnv(ctx)` once
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
+from rlax import imports
 from rlax.envs.base import EnvContext, Environment
 from rlax.envs.tool_env import CalculatorEnv, RetryEnv, SingleTurnEnv
 
@@ -24,14 +24,7 @@ def register(name: str, factory: EnvFactory, overwrite: bool = False) -> None:
 def get(name: str) -> EnvFactory:
   """The factory named `name`, or the class at "module:Class"; one ValueError naming what is wrong."""
   if ":" in name:
-    module, _, attr = name.partition(":")
-    try:
-      factory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-      raise ValueError(f"env.name={name!r}: cannot import it ({type(e).__name__}: {e})") from None
-    if not callable(factory):
-      raise ValueError(f"env.name={name!r} is not a class or factory")
-    return factory
+    return imports.by_path(name, f"env.name={name!r}", "a class or factory")
   if name not in _REGISTRY:
     raise ValueError(f"env.name={name!r}: unknown environment; registered: {', '.join(sorted(_REGISTRY))} "
                      "(or 'module:Class')")

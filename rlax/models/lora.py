@@ -70,24 +70,23 @@ def parse_targets(spec: Any) -> tuple[str, ...]:
   return tuple(spec)
 
 
-def shapes(cfg: ModelConfig, lora: LoraConfig) -> dict:
-  full = transformer.param_shapes(cfg)["layers"]
+def _adapters_of(full: dict, lora: LoraConfig, rank_entry) -> dict:
+  """A [lead, in..., rank] and B [lead, rank, out...] of each target, from the full layer tree's entries
+  (shapes or logical axes), with `rank_entry` on the rank axis."""
   out = {}
   for t in lora.targets:
-    L, *dims = full[t]
+    lead, *dims = full[t]
     n = _IN_DIMS[t]
-    out[t] = {"a": (L, *dims[:n], lora.rank), "b": (L, lora.rank, *dims[n:])}
+    out[t] = {"a": (lead, *dims[:n], rank_entry), "b": (lead, rank_entry, *dims[n:])}
   return {"layers": out}
+
+
+def shapes(cfg: ModelConfig, lora: LoraConfig) -> dict:
+  return _adapters_of(transformer.param_shapes(cfg)["layers"], lora, lora.rank)
 
 
 def axes(cfg: ModelConfig, lora: LoraConfig) -> dict:
-  full = transformer.param_axes(cfg)["layers"]
-  out = {}
-  for t in lora.targets:
-    layer, *dims = full[t]
-    n = _IN_DIMS[t]
-    out[t] = {"a": (layer, *dims[:n], None), "b": (layer, None, *dims[n:])}
-  return {"layers": out}
+  return _adapters_of(transformer.param_axes(cfg)["layers"], lora, None)  # the rank axis replicated
 
 
 def init(cfg: ModelConfig, lora: LoraConfig, key: jax.Array) -> dict:

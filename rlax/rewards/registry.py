@@ -9,10 +9,10 @@ the named reward with a final-answer mode and an optional format bonus (see its 
 from __future__ import annotations
 
 import functools
-import importlib
 import math as pymath
 from typing import Callable, Mapping
 
+from rlax import imports
 from rlax.rewards import code, gym, math, text
 
 RewardFn = Callable[[str, object], tuple[float, dict]]
@@ -45,14 +45,7 @@ def get(name: str) -> RewardFn:
   if name == "auto":
     return auto_reward
   if ":" in name:
-    module, _, attr = name.partition(":")
-    try:
-      fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-      raise ValueError(f"reward {name!r}: cannot import it ({type(e).__name__}: {e})") from None
-    if not callable(fn):
-      raise ValueError(f"reward {name!r} is not a function")
-    return fn
+    return imports.by_path(name, f"reward {name!r}", "a function")
   if name not in _REGISTRY:
     raise ValueError(f"unknown reward {name!r}; registered: {sorted(_REGISTRY) + ['auto']}")
   return _REGISTRY[name]
