@@ -8,6 +8,10 @@ Timed per rep: `Trainer.step` (no KL reference: kl_coef 0, as configs/smollm2.py
 warm-up of each that compiles; medians of --reps. In the same run it measures the machine's f32 matmul
 rate. The adapters cut the weight-gradient matmuls (x^T dy for every frozen W) and the AdamW update of
 every weight, so the step's matmul FLOPs fall from ~3x forward to ~2x forward.
+
+`--decode`: the sampler's decode with the base's weights against the same engine with a LoRA version merged
+into them (B random, so every weight changes), alternating, medians of --reps: the merged weights have the
+base's shapes and dtype, so they run the same compiled program; the figure checks they run at its speed.
 The last output line is one JSON object.
 """
 
@@ -32,6 +36,7 @@ flags.DEFINE_integer("rank", 8, "adapter rank")
 flags.DEFINE_string("targets", "all", "adapted layers: all, attention, mlp or names")
 flags.DEFINE_integer("micro_batch_tokens", 2048, "tokens per device per micro-batch (0: one micro-batch)")
 flags.DEFINE_bool("w5", False, "the SmolLM2-135M shape, 8 prompts x 8 samples")
+flags.DEFINE_bool("decode", False, "time the sampler's decode on the base vs merged weights instead")
 FLAGS = flags.FLAGS
 
 
@@ -48,11 +53,57 @@ def _batch(cfg, rng) -> RolloutBatch:
                       group_ids=(np.arange(B) // G).astype(np.int32), prompt_len=T0)
 
 
+def decode_main(cfg, lora):
+  """Tokens/s of one `generate` call on the base's weights and on a merged LoRA version, alternating."""
+  from rlax import sampler as S
+  base = M.create_params(cfg, seed=0)
+  adapters = {"layers": {t: {"a": ab["a"], "b": 0.02 * jax.random.normal(jax.random.key(2), ab["b"].shape)}
+                         for t, ab in L.init(cfg, lora, jax.random.key(1))["layers"].items()}}  # B != 0
+  merged = jax.jit(lambda b, a: L.merge_to(b, a, lora, cfg.jnp_dtype))(base, adapters)
+  rng = np.random.default_rng(0)
+  prompts = [[1] + rng.integers(3, cfg.vocab_size, FLAGS.prompt_len - 1).tolist() for _ in range(FLAGS.prompts)]
+  rows, n_new = FLAGS.prompts * FLAGS.samples, FLAGS.new_tokens
+  engine = S.Sampler(cfg, max_prompt_len=FLAGS.prompt_len, max_new_tokens=n_new, slots=rows, decode_chunk=n_new,
+                     params=base)
+  weights = {"base": base, "merged": jax.tree.map(lambda x: x.astype(cfg.jnp_dtype), merged)}
+  seed = iter(range(1, 1000))
+
+  def one(k):
+    engine.update_weights(weights[k], 0 if k == "base" else 1)
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, samples_per_prompt=FLAGS.samples, strategy=S.Temperature(1.0), seed=next(seed),
+                          max_new_tokens=n_new)
+    jax.block_until_ready(out.tokens)
+    return time.perf_counter() - t0
+
+  for k in weights:  # warm-up: compiles
+    one(k)
+  times = {k: [] for k in weights}
+  for _ in range(FLAGS.reps):
+    for k in weights:
+      times[k].append(one(k))
+  med = {k: statistics.median(v) for k, v in times.items()}
+  peak = workload.matmul_flops_per_s()
+  flops = 2.0 * workload.matmul_params(cfg) * rows * n_new  # the matmul weights once per generated token
+  print(json.dumps({
+      "workload": "w5" if FLAGS.w5 else "w1", "mode": "decode", "rank": FLAGS.rank, "rows": rows,
+      "new_tokens": n_new, "compiles": dict(engine.trace_counts),
+      "base_tokens_per_s": round(rows * n_new / med["base"], 1),
+      "merged_tokens_per_s": round(rows * n_new / med["merged"], 1),
+      "merged_over_base_time": round(med["merged"] / med["base"], 3),
+      "base_s_all": [round(x, 4) for x in times["base"]], "merged_s_all": [round(x, 4) for x in times["merged"]],
+      "matmul_flops_per_s": peak, "base_share_of_matmul_rate": round(flops / med["base"] / peak, 3),
+      "merged_share_of_matmul_rate": round(flops / med["merged"] / peak, 3)}))
+
+
 def main(argv):
   del argv
   if FLAGS.w5:
     workload.use_w5()
   cfg = workload.model_config()
+  if FLAGS.decode:
+    return decode_main(cfg, L.LoraConfig(rank=FLAGS.rank, alpha=2.0 * FLAGS.rank,
+                                         targets=L.parse_targets(FLAGS.targets)))
   algo = get_algorithm("grpo", kl_coef=0.0)
   lora = L.LoraConfig(rank=FLAGS.rank, alpha=2.0 * FLAGS.rank, targets=L.parse_targets(FLAGS.targets))
   batch = _batch(cfg, np.random.default_rng(0))

@@ -49,6 +49,12 @@ def format_table(t: dict) -> str:
   lines += [f"weight push ~ {_t(push['seconds'])}: {push['total_bytes'] / 1e9:.3g} GB, "
             f"{push['per_chip_transport_bytes'] / 1e6:.3g} MB/chip over {push['link'].upper()} "
             f"({_t(push['cross_s'])}), gather to {push['per_chip_sampler_bytes'] / 1e9:.3g} GB/chip over ICI "
-            f"({_t(push['gather_s'])})",
-            f"assumptions: {a['time']}; push: {a['push']}" + (f"; {a['decode']}" if "decode" in e else "")]
+            f"({_t(push['gather_s'])})"]
+  if "lora" in e:
+    lo, base = e["lora"], e["push_base_once"]
+    lines.append(f"LoRA rank {lo['rank']} ({lo['adapter_params'] / 1e6:.3g} M adapter params): a push is "
+                 f"{100 * lo['push_share_of_full']:.2g}% of the weights; the base crosses once "
+                 f"({base['total_bytes'] / 1e9:.3g} GB, ~ {_t(base['seconds'])}) and its pristine copy holds "
+                 f"{lo['sampler_pristine_bytes_per_chip'] / GIB:.3g} GiB per sampler chip")
+  lines.append(f"assumptions: {a['time']}; push: {a['push']}" + (f"; {a['decode']}" if "decode" in e else ""))
   return "\n".join(lines)

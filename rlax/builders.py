@@ -250,8 +250,9 @@ def weights_service(run: RunConfig, topology: Topology, channel: Optional[Channe
     if not (has_trainer and has_sampler) or trainer is None:
       raise ValueError("model.lora with the trainer and sampler in different processes is not supported yet")
     adapters = DevicePutTransport(lora_lib.adapter_shardings(run.model, run.lora, topology.sampler_mesh), None)
-    transport = AdapterTransport(adapters, DevicePutTransport(shardings, None), lambda: trainer.base, run.lora,
-                                 weights_dtype(run))
+    # The pristine copy is held in the compute dtype: on a bf16 sampler it costs what the merged weights cost.
+    transport = AdapterTransport(adapters, DevicePutTransport(shardings, weights_dtype(run)), lambda: trainer.base,
+                                 run.lora, weights_dtype(run))
   elif has_trainer and has_sampler:
     transport = DevicePutTransport(shardings, weights_dtype(run))
   else:

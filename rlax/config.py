@@ -454,9 +454,8 @@ def validate(run: RunConfig) -> None:
     if not ok:
       raise ValueError(msg)
   run.env.validate()
-  if run.lora.enabled and (run.init.sft_steps or run.faults.any):
-    raise ValueError("model.lora: a warm start (init.sft_steps) or simulated slice faults with adapters are not "
-                     "supported yet")
+  if run.lora.enabled and run.init.sft_steps:
+    raise ValueError("model.lora: a warm start (init.sft_steps) with adapters is not supported yet")
   run.data.columns()  # a bad answer_format is one error
   _check_workdir(run.workdir)
   for which in ("train", "eval"):

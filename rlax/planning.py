@@ -24,12 +24,13 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from rlax import builders
 from rlax import config as config_lib
 from rlax import models
-from rlax.multihost import CrossMeshPush, transport_spec
+from rlax import planning_sync
+from rlax.multihost import CrossMeshPush
 from rlax.sampler import Sampler, Temperature, layouts, paged, sizing
 from rlax.topology import Topology, build_topology
 from rlax.trainer import Trainer
@@ -37,6 +38,7 @@ from rlax.trainer import Trainer
 GIB = 2 ** 30
 PROGRAMS = ("trainer_step", "sampler_prefill", "sampler_admit", "sampler_decode", "push_to_transport",
             "push_cross", "push_to_sampler")
+LORA_PROGRAMS = ("sampler_merge",)  # with model.lora: the adapters merged into the sampler's pristine base
 
 
 class PlanError(ValueError):
@@ -128,10 +130,6 @@ def on_first_slices(mesh: Mesh, devices) -> Mesh:
   return Mesh(np.vectorize(move, otypes=[object])(mesh.devices), mesh.axis_names)
 
 
-def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
-  return int(np.prod(x.sharding.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
-
-
 def _no_fit(name: str, need: float, chip: Chip, what: str, knob: str) -> str:
   return (f"{name} does not fit: needs {need / GIB:.3g} GiB per chip of {chip.hbm_bytes / GIB:.3g} GiB HBM "
           f"(over by {(need - chip.hbm_bytes) / GIB:.3g} GiB; {what}); try {knob}")
@@ -155,7 +153,7 @@ def trainer_program(c: config_lib.RunConfig, trainer: Trainer, chip: Chip) -> ja
   when the train state alone exceeds HBM."""
   batch = builders.abstract_train_batch(c, trainer)
   state = trainer.abstract_state()
-  resident = sum(_shard_bytes(x) for x in jax.tree.leaves(state))
+  resident = sum(planning_sync.shard_bytes(x) for x in jax.tree.leaves(state))
   if resident > chip.hbm_bytes:
     raise PlanError(_no_fit("trainer_step", resident, chip, "params + optimizer state alone",
                             "more FSDP (topology.trainer_mesh.fsdp) or more trainer slices"))
@@ -170,6 +168,8 @@ def sampler_programs(c: config_lib.RunConfig, sampler: Sampler, chip: Chip) -> d
   if B % G:
     raise ValueError(f"plan.sampler_batch={B} is not a multiple of rollout.samples_per_prompt={G}")
   resident = sampler.memory["params"] + sampler.memory["cache"]  # the engine's own accounting
+  if c.lora.enabled:  # + the pristine base the adapters merge into
+    resident += sum(map(planning_sync.shard_bytes, jax.tree.leaves(planning_sync.pristine_base(c, sampler.mesh))))
   if resident > chip.hbm_bytes:
     raise PlanError(_no_fit("sampler_decode", resident, chip, "params + KV cache alone",
                             f"{_KNOBS['sampler_decode'][0]} or {_KNOBS['sampler_decode'][1]}"))
@@ -232,25 +232,6 @@ def _mesh_desc(mesh) -> str:
   return "x".join(f"{k}{v}" for k, v in mesh.shape.items() if v > 1) or "1"
 
 
-def push_estimate(trainer: Trainer, sampler: Sampler, chip: Chip, cross_dcn: bool) -> dict[str, float]:
-  """Bandwidth model of one trainer → sampler push (CrossMeshPush's three phases, no overlap).
-
-  transport: trainer chips reshard to unique 1/n pieces over ICI; cross: each piece crosses once, over DCN
-  when the roles sit on different slices (else ICI); gather: sampler chips all-gather their own shards
-  over ICI. Bytes are in the sampler dtype, as `sampler.abstract_params()` holds them.
-  """
-  dst = jax.tree.leaves(sampler.abstract_params())
-  mesh = sampler.mesh
-  total = sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in dst)
-  tr = [NamedSharding(mesh, transport_spec(s.shape, dict(mesh.shape))) for s in dst]
-  piece = sizing.tree_bytes(dst, tr)
-  shard = sum(_shard_bytes(s) for s in dst)
-  link = chip.dcn_bw if cross_dcn else chip.ici_bw
-  t = dict(transport_s=piece / chip.ici_bw, cross_s=piece / link, gather_s=max(shard - piece, 0) / chip.ici_bw)
-  return dict(total_bytes=total, per_chip_transport_bytes=piece, per_chip_sampler_bytes=shard,
-              link="dcn" if cross_dcn else "ici", seconds=sum(t.values()), **t)
-
-
 def model_flops(cfg: models.ModelConfig, tokens: int, context: int) -> float:
   """Forward FLOPs: 2 x matmul params per token + attention (2 x 2 x layers x heads x head_dim x context)."""
   D, L, H, K, Dh, F, V = (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim,
@@ -262,10 +243,11 @@ def model_flops(cfg: models.ModelConfig, tokens: int, context: int) -> float:
 def selected_programs(p) -> tuple[str, ...]:
   """The programs `p.programs` names (comma-separated; "" = all), in PROGRAMS order; ValueError on unknown names."""
   names = [n.strip() for n in (p.programs or "").split(",") if n.strip()]
-  unknown = sorted(set(names) - set(PROGRAMS))
+  known = PROGRAMS + LORA_PROGRAMS
+  unknown = sorted(set(names) - set(known))
   if unknown:
-    raise ValueError(f"plan.programs: unknown program(s) {', '.join(unknown)}; known: {', '.join(PROGRAMS)}")
-  return tuple(n for n in PROGRAMS if not names or n in names)
+    raise ValueError(f"plan.programs: unknown program(s) {', '.join(unknown)}; known: {', '.join(known)}")
+  return tuple(n for n in known if not names or n in names)
 
 
 def make_plan(c) -> dict[str, Any]:
@@ -303,10 +285,12 @@ def make_plan(c) -> dict[str, Any]:
       compiled = build_sampler(c, first.mesh, scan=False).lower_decode(Temperature(c.rollout.temperature)).compile()
       counted_s = time.perf_counter() - t0
     decode = dict(decode_counts(c, first, compiled), unrolled_compile_s=counted_s)
+  if c.lora.enabled and "sampler_merge" in want:
+    progs.append(_analyze("sampler_merge", desc_s, lambda: planning_sync.lower_merge(c, first), chip)[0])
   if not topo.colocated and {"push_to_transport", "push_cross", "push_to_sampler"} & set(want):
-    target = sampler.abstract_params()  # the layout and dtype the sampler holds its weights in
+    target = planning_sync.push_target(c, sampler)  # what the sampler receives: weights, or LoRA's adapters
     push = CrossMeshPush(topo.trainer_mesh, topo.sampler_mesh, jax.tree.map(lambda x: x.sharding, target),
-                         dtype=cfg.jnp_dtype)
+                         dtype=None if c.lora.enabled else cfg.jnp_dtype)
     t0 = time.perf_counter()
     parts = push.lowered(trainer.abstract_state().params, compile_mesh=lambda m: on_first_slices(m, devices))
     lower_s = (time.perf_counter() - t0) / len(parts)  # lowering is shared; split it evenly
@@ -314,18 +298,19 @@ def make_plan(c) -> dict[str, Any]:
     for name, lowered in parts.items():
       if name in want:
         progs.append(_analyze(name, _mesh_desc(meshes[name]), lambda: lowered, chip, extra_s=lower_s)[0])
-  return _table(c, chip, cfg, topo, progs, devices, trainer, sampler, decode)
+  return _table(c, chip, cfg, topo, progs, devices, sampler, decode)
 
 
-def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[Program], devices, trainer: Trainer,
-           sampler: Sampler, decode: dict[str, Any] | None = None) -> dict[str, Any]:
+def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[Program], devices, sampler: Sampler,
+           decode: dict[str, Any] | None = None) -> dict[str, Any]:
   r = c.rollout
   rows = r.rows
   seq = r.max_prompt_len + r.max_new_tokens
   by = {q.name: q for q in progs}
   n_tr, n_sa = topo.trainer_mesh.devices.size, topo.sampler_mesh.devices.size
   B, G = c.plan.sampler_batch, r.samples_per_prompt
-  passes = 4 if cfg.remat else 3  # forward + backward (2x) + the remat forward
+  # forward + backward (2x; LoRA: 1x, no weight gradients of the frozen base) + the remat forward
+  passes = (4 if cfg.remat else 3) - (1 if c.lora.enabled else 0)
   estimates = {}
   if "trainer_step" in by:
     by["trainer_step"].est_flops = passes * model_flops(cfg, rows * seq, seq // 2) / n_tr
@@ -345,13 +330,13 @@ def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[P
     estimates.update(decode_token_step_s=decode_s, sampler_tokens_per_s=B / max(decode_s, 1e-12), decode=decode)
   slices = {getattr(d, "slice_index", 0) for d in topo.devices_of(topo.assignment.trainer)}
   cross_dcn = not slices & {getattr(d, "slice_index", 0) for d in topo.devices_of(topo.assignment.sampler)}
-  estimates.update(push=push_estimate(trainer, sampler, chip, cross_dcn and not topo.colocated))
+  estimates.update(planning_sync.estimates(c, sampler, chip, cross_dcn and not topo.colocated))
   table = dict(
       config=dict(model=c.model_preset, params=cfg.num_params(), devices=len(devices),
                   topology=f"{c.plan.topology} x {c.plan.num_slices}", chip=chip.name,
                   trainer_mesh=dict(topo.trainer_mesh.shape), sampler_mesh=dict(topo.sampler_mesh.shape),
                   batch_rows=rows, seq_len=seq, micro_batches=c.optimizer.micro_batches,
-                  sampler_batch=c.plan.sampler_batch),
+                  sampler_batch=c.plan.sampler_batch, lora_rank=c.lora.rank),
       assumptions=dict(hbm_gib=chip.hbm_bytes / GIB, peak_tflops=chip.peak_flops / 1e12,
                        hbm_tb_s=chip.hbm_bw / 1e12, ici_gb_s=chip.ici_bw / 1e9, dcn_gb_s=chip.dcn_bw / 1e9,
                        time=("roofline max(flops/peak, bytes/hbm_bw) per chip; flops/bytes = max(cost_analysis, "

@@ -248,3 +248,32 @@ def test_planner_uses_only_public_lowerings():
   import re
   src = inspect.getsource(planning)
   assert not re.search(r"\b(trainer|sampler|eng)\._", src), re.findall(r"\b(?:trainer|sampler|eng)\._\w+", src)
+
+
+def test_lora_plan_pushes_adapters_and_merges_into_the_pristine_base(local_plan):
+  """model.lora: the trainer step holds the frozen base + adapters + their moments (no moments of the base), a
+  push carries the f32 adapters only, and `sampler_merge` reads the pristine base + adapters into the weights."""
+  c_full, full = local_plan
+  c = tiny_config()
+  c.model.lora.update(rank=4, alpha=8.0)
+  c.plan.programs = "trainer_step,sampler_merge,push_cross"
+  t = planning.make_plan(c)
+  run = config_lib.load(c)
+  cfg = run.model
+  progs = {p["name"]: p for p in t["programs"]}
+  assert list(progs) == ["trainer_step", "sampler_merge", "push_cross"]
+  n_adapters = cfg.n_layers * 4 * sum(
+      i + o for i, o in [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)])
+  lo = t["estimates"]["lora"]
+  assert lo["adapter_params"] == n_adapters and t["estimates"]["push"]["total_bytes"] == 4 * n_adapters
+  assert lo["push_share_of_full"] == pytest.approx(n_adapters / cfg.num_params())
+  assert t["estimates"]["push_base_once"]["total_bytes"] == full["estimates"]["push"]["total_bytes"]
+  assert progs["push_cross"]["argument_bytes"] == 4 * n_adapters // 4  # one transport piece per chip
+  # The trainer's resident state: the base once (no AdamW moments of it) against the full step's params x 3.
+  full_args = {p["name"]: p for p in full["programs"]}["trainer_step"]["argument_bytes"]
+  assert progs["trainer_step"]["argument_bytes"] < full_args / 2
+  # The merge reads the pristine base and the adapters and writes the weights the sampler decodes with.
+  weights = full["estimates"]["decode"]["weights_bytes"]
+  assert weights == lo["sampler_pristine_bytes_per_chip"]
+  assert weights <= progs["sampler_merge"]["output_bytes"] <= weights + 1024  # + the output tuple's pointers
+  assert weights <= progs["sampler_merge"]["argument_bytes"]

@@ -136,6 +136,11 @@ def merge(params: dict, adapters: dict, lora: LoraConfig) -> dict:
   return {**params, "layers": layers}
 
 
+def merge_to(params: dict, adapters: dict, lora: LoraConfig, dtype: Any) -> dict:
+  """`merge`, every leaf then cast to `dtype`: the sampler's weights for one version, from its pristine base."""
+  return jax.tree.map(lambda x: x.astype(dtype), merge(params, adapters, lora))
+
+
 def attach(params: dict, adapters: dict, lora: LoraConfig) -> dict:
   """The params with every target W as {"w": W, "a": A * scale, "b": B}: `layers.dense` then computes
   x @ W + (x @ A) @ B, so the gradient reaches A and B and never forms one of W's size."""

@@ -186,6 +186,8 @@ def recover(run: RunConfig, parts: builders.Components, faults: Faults, err: Bas
   from_step, history = step, None
   if new.trainer is not parts.trainer:
     faults.phase("restore")
+    if run.lora.enabled:  # checkpoints hold the adapters only: the frozen base is read again onto the new mesh
+      new.trainer.set_base(builders.initial_params(run, topo.trainer_mesh))
     resume = restore(new.trainer.abstract_state())  # the new mesh's own layout
     new.weights.forget_history()
     if resume is None:
@@ -193,7 +195,9 @@ def recover(run: RunConfig, parts: builders.Components, faults: Faults, err: Bas
                          "before the first checkpoint; restart the run")
     step, state, kept, data_state, history = (resume.step, resume.state, resume.pending, resume.data_state,
                                                resume.history)
-    if ref_params is not None:
+    if ref_params is not None and run.lora.enabled:
+      ref_params = new.trainer.base  # the reference is the base
+    elif ref_params is not None:
       ref_params = (resume.ref_params if resume.ref_params is not None else
                     jax.device_put(ref_params, new.trainer.state_shardings().params))
   elif kept:

@@ -81,19 +81,20 @@ class CrossProcessTransport:
 class AdapterTransport:
   """LoRA: a push carries the adapters only (`adapters`: a transport for the adapter tree, f32); the sampler
   side merges each version into its pristine copy of the base (`base`: a transport for the full tree, sent
-  once, from `base_source()`, the trainer's frozen base), W + A @ B * scale in one jitted compute."""
+  once, from `base_source()`, the trainer's frozen base), W + A @ B * scale in one jitted compute (in f32,
+  rounded once to `dtype`)."""
 
   def __init__(self, adapters: Any, base: Any, base_source, lora, dtype: Any):
     self.adapters, self.base, self.base_source, self.lora = adapters, base, base_source, lora
     self._pristine = None
     out = getattr(base, "shardings", None)  # merged weights on the sampler's own parameter shardings
-    self._merge = jax.jit(lambda b, a: jax.tree.map(lambda x: x.astype(dtype), lora_lib.merge(b, a, lora)),
+    self._merge = jax.jit(lambda b, a: lora_lib.merge_to(b, a, lora, dtype),
                           **({} if out is None else dict(out_shardings=out)))
 
   def send(self, trainer_params: Any, version: int) -> tuple[Optional[Any], dict[str, float]]:
     t0 = time.perf_counter()
     stats = {}
-    if self._pristine is None:  # the base crosses once, in the params' own dtype (merging stays exact)
+    if self._pristine is None:  # the base crosses once, in the base transport's dtype
       self._pristine, base_stats = self.base.send(self.base_source(), version)
       stats.update({f"base_{k}": v for k, v in base_stats.items()})
     got, ad = self.adapters.send(trainer_params, version)

@@ -65,6 +65,17 @@ def test_lora_run_resumes_bitwise_and_exports(tmp_path):
   again = Controller(cut, progress=False, reward_fn=_reward).run()
   assert again["steps"] == 3 and again["params_sha256"] == want["params_sha256"]
 
+  # Slice faults: a sampler slice, then a trainer slice, lost mid-run. The rebuilt sampler gets the base again;
+  # the rebuilt trainer reads the base onto its new mesh and restores the adapters from the checkpoint.
+  faulted = _config(tmp_path / "faults", src, tmp_path / "d.jsonl")
+  faulted.faults.update(lose_slice_at="3:1,0:2")
+  ctl = Controller(faulted, progress=False, reward_fn=_reward)
+  out = ctl.run()
+  rec = [e for e in ctl.faults.events if e["event"] == "recovered"]
+  assert [(e["lost"], e["steps_lost"]) for e in rec] == [([3], 0), ([0], 1)], rec
+  assert out["steps"] == 3 and out["params_sha256"] == want["params_sha256"]
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, ctl.trainer.base), base_now)
+
   # The checkpoint holds the adapters (and their moments) only; it exports both ways.
   peft_dir = export.export_checkpoint(str(tmp_path / "whole"), str(tmp_path / "peft"), lora="adapter")
   assert peft_dir["files"] == ["adapter_config.json", "adapter_model.safetensors"]
