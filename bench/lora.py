@@ -69,10 +69,9 @@ def decode_main(cfg, lora):
   seed = iter(range(1, 1000))
 
   def one(k):
-    engine.update_weights(weights[k], 0 if k == "base" else 1)
     t0 = time.perf_counter()
     out = engine.generate(prompts, samples_per_prompt=FLAGS.samples, strategy=S.Temperature(1.0), seed=next(seed),
-                          max_new_tokens=n_new)
+                          max_new_tokens=n_new, weights=(weights[k], 0 if k == "base" else 1))
     jax.block_until_ready(out.tokens)
     return time.perf_counter() - t0
 

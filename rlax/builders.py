@@ -25,6 +25,7 @@ from rlax.data.pipeline import RecordIterator
 from rlax.data.prompts import PromptRenderer
 from rlax.data.records import Record, read_records
 from rlax.models import hf
+from rlax.models import sharding as shd
 from rlax.models.hf_tokenizer import Tokenizer
 from rlax.multihost import Channel, local_roles
 from rlax.rollout import packing
@@ -173,12 +174,25 @@ def packed_shape(run: RunConfig, trainer: Trainer) -> tuple[int, int, int]:
   return max(shapes, key=lambda s: packing.row_cost(run.model, s[0], s[1]))
 
 
-def abstract_train_batch(run: RunConfig, trainer: Trainer):
+def worst_packed_rows(run: RunConfig, trainer: Trainer) -> int:
+  """The packed batch's row count (a row bucket up to `packed_shape`'s) whose micro-batch holds the most rows
+  per device: a smaller batch can split into fewer, larger micro-batches (under a 4096-token budget, 6 rows
+  of 640 are one micro-batch of 6, 7 rows seven of 1). Memory is sized for its micro-batch."""
+  R, L, _ = packed_shape(run, trainer)
+  counts = [n for n in {packing.row_bucket(k, trainer.packed_rows_multiple()) for k in range(1, R + 1)}
+            if n <= R and n % trainer.micro_batches == 0] or [R]
+  per_micro = lambda n: n // shd.row_shards(trainer.mesh, n) // trainer.num_micro_batches(n, L)
+  return max(sorted(counts, reverse=True), key=per_micro)
+
+
+def abstract_train_batch(run: RunConfig, trainer: Trainer, rows: Optional[int] = None):
   """The largest batch `run` trains on, as `trainer.place` lays it out (ShapeDtypeStructs): packed rows
-  (`packed_shape`) or, with optimizer.pack_tokens = 0, padded ones. Memory and the plan are sized for it."""
+  (`packed_shape`; `rows` of them if given) or, with optimizer.pack_tokens = 0, padded ones. The plan is
+  sized for it."""
   r, kl = run.rollout, run.algorithm.kl_coef > 0
   if pack_len(run):
-    return trainer.abstract_packed(*packed_shape(run, trainer), r.rows, with_ref=kl, max_len=r.max_new_tokens)
+    R, L, K = packed_shape(run, trainer)
+    return trainer.abstract_packed(rows or R, L, K, r.rows, with_ref=kl, max_len=r.max_new_tokens)
   return trainer.abstract_batch(r.rows, r.max_prompt_len + r.max_new_tokens, with_ref=kl, prompt_len=r.max_prompt_len)
 
 

@@ -56,7 +56,7 @@ _TIED_LOGIT_COPIES = 3
 _SAMPLING_COPIES = 4
 
 TRAINER_ITEMS = ("params", "opt_state", "grads", "ref_params", "critic", "batch", "activations", "logits")
-SAMPLER_ITEMS = ("weights", "spare_weights", "kv_cache", "scratch")
+SAMPLER_ITEMS = ("weights", "spare_weights", "pristine_base", "kv_cache", "scratch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +160,8 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   packed = builders.pack_len(run) > 0
   slots = batch.loss_mask.shape[1] if packed else r.max_new_tokens
   n_micro = trainer.num_micro_batches(rows_all, seq)
-  rows = rows_all // shd.row_shards(mesh, rows_all) // n_micro  # per device, per micro-batch
+  worst = builders.worst_packed_rows(run, trainer) if packed else rows_all  # the largest micro-batch's batch
+  rows = worst // shd.row_shards(mesh, worst) // trainer.num_micro_batches(worst, seq)  # per device and micro-batch
   live = 1  # micro-batches are a scan: one is live (rlax.trainer.state.accumulate_gradients)
   tensor = dict(mesh.shape)["tensor"]
   isz = _act_itemsize(cfg, platform)
@@ -188,7 +189,8 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
       "trainer.ref_params": ("the frozen base (LoRA: no copy)" if lora else "reference policy (algorithm.kl_coef > 0)")
                             if kl else "none (algorithm.kl_coef = 0)",
       "trainer.batch": f"{rows_all} {'packed ' if packed else ''}rows x {seq} tokens",
-      "trainer.activations": (f"{live} live of {n_micro} micro-batch(es) of {rows} rows x {seq} tokens per device, "
+      "trainer.activations": (f"{live} live micro-batch of at most {rows} rows x {seq} tokens per device "
+                              f"({n_micro} in the largest batch), "
                               + ("remat" if remat else "no remat" + (" (remat needs scan_layers on CPU)"
                                                                     if cfg.remat else ""))),
       "trainer.logits": f"f32 [{rows} rows, {positions} positions, {cfg.vocab_size} vocab] x {copies * live}",
@@ -235,10 +237,13 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   notes.update({
       "sampler.weights": f"{cfg.dtype} (the compute dtype)",
       "sampler.spare_weights": f"{keep} more version(s): the newest kept / arriving while the sampler uses one",
+      "sampler.pristine_base": ("LoRA: the base every pushed version of the adapters merges into (compute dtype)"
+                                if run.lora.enabled else "none (no adapters)"),
       "sampler.kv_cache": f"{b} slots x {S} tokens per device ({B} slots: {slots_note}; {kind} layout)",
       "sampler.scratch": f"largest program scratch: {which} (weight copies, sampling buffers, activations)",
   })
-  return dict(weights=mem["params"], spare_weights=keep * mem["params"], kv_cache=mem["cache"], scratch=int(scratch))
+  return dict(weights=mem["params"], spare_weights=keep * mem["params"],
+              pristine_base=mem["params"] if run.lora.enabled else 0, kv_cache=mem["cache"], scratch=int(scratch))
 
 
 def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,
@@ -285,7 +290,7 @@ def _trainer_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
 
 def _sampler_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
   s = est.sampler
-  if s["weights"] + s["spare_weights"] >= s["kv_cache"] + s["scratch"]:
+  if s["weights"] + s["spare_weights"] + s["pristine_base"] >= s["kv_cache"] + s["scratch"]:
     return "shard the sampler's weights (topology.sampler_mesh.tensor > 1) or give it more devices"
   slots = "" if run is None else f" ({run.rollout.decode_slots(run.eval.n_samples)} decode slots)"
   return f"lower rollout.max_new_tokens or rollout.slots{slots}"

@@ -95,7 +95,8 @@ def test_estimate_within_factor_of_compiled_programs(case):
   r = run.rollout
   devs = jax.devices()
   trainer = builders.trainer(run, _mesh(run, "trainer", devs[:n_t]))
-  step = trainer.lower_step(trainer.abstract_state(), builders.abstract_train_batch(run, trainer)).compile()
+  rows = builders.worst_packed_rows(run, trainer) if builders.pack_len(run) else None  # the largest micro-batch
+  step = trainer.lower_step(trainer.abstract_state(), builders.abstract_train_batch(run, trainer, rows)).compile()
   ratio = (est.trainer_bytes - est.trainer["ref_params"]) / _peak(step)
   assert LOW <= ratio <= HIGH, (case, "trainer", ratio, est.summary())
 
@@ -121,6 +122,24 @@ def test_remat_and_micro_batches_on_cpu_and_elsewhere():
   assert est(1024)["grads"] == 1.5 * est(0)["grads"]
   assert est(1024, "tpu")["activations"] == pytest.approx(est(0, "tpu")["activations"] / 2, rel=1e-6)
   assert est(256)["activations"] == pytest.approx(est(0)["activations"] / 8, rel=1e-6)
+
+
+def test_a_smaller_packed_batch_in_fewer_larger_micro_batches_sizes_the_activations():
+  """Packed batches come in every row bucket: under a 1024-token budget, 3 rows of 320 are one micro-batch of
+  3 while the largest batch's 4 rows are two of 2. The estimate is sized for the largest micro-batch."""
+  run = _run(rollout=dict(prompts_per_step=4, samples_per_prompt=4, max_prompt_len=32, max_new_tokens=48),
+             optimizer=dict(pack_tokens=320, micro_batch_tokens=1024))
+  trainer = builders.trainer(run, None)
+  R, L, _ = builders.packed_shape(run, trainer)
+  worst = builders.worst_packed_rows(run, trainer)
+  per_micro = lambda n: n // trainer.num_micro_batches(n, L)
+  assert per_micro(worst) == max(per_micro(n) for n in range(1, R + 1)) and per_micro(worst) > per_micro(R), (R, worst)
+  est = memory.estimate(run, 1, 1)
+  assert f"at most {per_micro(worst)} rows x {L} tokens" in est.notes["trainer.activations"]
+  peak = lambda rows: _peak(trainer.lower_step(trainer.abstract_state(),
+                                               builders.abstract_train_batch(run, trainer, rows)).compile())
+  assert peak(worst) > peak(R)  # the smaller batch's compiled step needs more memory
+  assert LOW <= est.trainer_bytes / peak(worst) <= HIGH, est.summary()
 
 
 def test_peak_memory_falls_as_micro_batch_tokens_fall():

@@ -108,6 +108,16 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
   return y.reshape(*lead, *out)
 
 
+def dense_group(x: jax.Array, ws: list) -> list[jax.Array]:
+  """`dense(x, w)` for each w of `ws`, all reading the same x. Adapted weights (dicts) share one x @ [A1|A2|..]
+  matmul: x is read once for all their A's, forward and backward, instead of once per thin rank-r product."""
+  if not all(isinstance(w, dict) for w in ws) or len(ws) < 2:
+    return [dense(x, w) for w in ws]
+  ranks = [w["a"].shape[-1] for w in ws]
+  xa = jnp.split(dense(x, jnp.concatenate([w["a"] for w in ws], axis=-1)), np.cumsum(ranks)[:-1], axis=-1)
+  return [dense(x, w["w"]) + dense(a, w["b"]) for w, a in zip(ws, xa)]
+
+
 def fuse(cfg: ModelConfig, w: dict[str, Any]) -> dict[str, Any]:
   """One layer's weights in compute dtype, with q|k|v ([D, (H+2K)*Dh]) and gate|up ([D, 2F]) concatenated."""
   D = cfg.d_model
@@ -131,8 +141,10 @@ def _project_qkv(cfg: ModelConfig, w, h, q_start: int):
     q, k, v = jnp.split(y, [H * Dh, (H + K) * Dh], axis=-1)
     lead = h.shape[:-1]
     return (q[:, q_start:].reshape(lead[0], -1, H, Dh), k.reshape(*lead, K, Dh), v.reshape(*lead, K, Dh))
-  q = dense(h[:, q_start:] if q_start else h, w["q"])
-  k, v = dense(h, w["k"]), dense(h, w["v"])
+  if q_start:
+    q, (k, v) = dense(h[:, q_start:], w["q"]), dense_group(h, [w["k"], w["v"]])
+  else:
+    q, k, v = dense_group(h, [w["q"], w["k"], w["v"]])
   if cfg.qkv_bias:
     q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
   return q, k, v
@@ -144,7 +156,7 @@ def _mlp_in(w, h):
     gu = dense(h, w["gate_up"])
     g, u = jnp.split(gu, 2, axis=-1)
   else:
-    g, u = dense(h, w["gate"]), dense(h, w["up"])
+    g, u = dense_group(h, [w["gate"], w["up"]])
   return jax.nn.silu(g) * u
 
 

@@ -251,7 +251,8 @@ class Controller:
           if ref_params is not None:
             batch = batch.replace(ref_logprobs=self.trainer.ref_logprobs(ref_params, batch))
           state, m = self.trainer.step(state, batch)
-          m = jax.device_get(m)
+          m = dict(jax.device_get(m), train_rows=batch.tokens.shape[0], train_row_len=batch.tokens.shape[1],
+                   micro_batches=self.trainer.num_micro_batches(*batch.tokens.shape))
           if float(m.pop("finite", 1.0)) < 1:
             bad = f"the loss ({float(m['loss']):.4g}) or gradient norm ({float(m['grad_norm']):.4g}) is not finite"
         if bad is not None:

@@ -25,6 +25,11 @@ def test_synchronous_k0_versions_and_weight_sync(tmp_path):
   rows = ctl.metrics.history
   assert [r["staleness"] for r in rows] == [0.0] * 4  # every sample came from the trainer's own version
   assert out["staleness_hist"] == {"0": 4}
+  # The trained batch's shape and its micro-batch split are in every row (what sizes the step's memory).
+  trainer = ctl.trainer
+  for r in rows:
+    assert r["train_rows"] >= 1 and r["train_row_len"] >= 1
+    assert r["micro_batches"] == trainer.num_micro_batches(int(r["train_rows"]), int(r["train_row_len"]))
   # After the last push the sampler holds exactly the trainer's weights, on the sampler's devices.
   sampler_params, version = ctl.weights.latest()
   assert version == 4
