@@ -53,6 +53,18 @@ def _batch(cfg, rng) -> RolloutBatch:
                       group_ids=(np.arange(B) // G).astype(np.int32), prompt_len=T0)
 
 
+def _alternate(one, keys) -> tuple[dict, dict]:
+  """`one(k)` for each key once (warm-up: compiles), then --reps rounds alternating the keys:
+  (times per key, their medians)."""
+  for k in keys:
+    one(k)
+  times = {k: [] for k in keys}
+  for _ in range(FLAGS.reps):
+    for k in keys:
+      times[k].append(one(k))
+  return times, {k: statistics.median(v) for k, v in times.items()}
+
+
 def decode_main(cfg, lora):
   """Tokens/s of one `generate` call on the base's weights and on a merged LoRA version, alternating."""
   from rlax import sampler as S
@@ -65,7 +77,7 @@ def decode_main(cfg, lora):
   rows, n_new = FLAGS.prompts * FLAGS.samples, FLAGS.new_tokens
   engine = S.Sampler(cfg, max_prompt_len=FLAGS.prompt_len, max_new_tokens=n_new, slots=rows, decode_chunk=n_new,
                      params=base)
-  weights = {"base": base, "merged": jax.tree.map(lambda x: x.astype(cfg.jnp_dtype), merged)}
+  weights = {"base": base, "merged": merged}
   seed = iter(range(1, 1000))
 
   def one(k):
@@ -75,13 +87,7 @@ def decode_main(cfg, lora):
     jax.block_until_ready(out.tokens)
     return time.perf_counter() - t0
 
-  for k in weights:  # warm-up: compiles
-    one(k)
-  times = {k: [] for k in weights}
-  for _ in range(FLAGS.reps):
-    for k in weights:
-      times[k].append(one(k))
-  med = {k: statistics.median(v) for k, v in times.items()}
+  times, med = _alternate(one, weights)
   peak = workload.matmul_flops_per_s()
   flops = 2.0 * workload.matmul_params(cfg) * rows * n_new  # the matmul weights once per generated token
   print(json.dumps({
@@ -100,11 +106,10 @@ def main(argv):
   if FLAGS.w5:
     workload.use_w5()
   cfg = workload.model_config()
-  if FLAGS.decode:
-    return decode_main(cfg, L.LoraConfig(rank=FLAGS.rank, alpha=2.0 * FLAGS.rank,
-                                         targets=L.parse_targets(FLAGS.targets)))
-  algo = get_algorithm("grpo", kl_coef=0.0)
   lora = L.LoraConfig(rank=FLAGS.rank, alpha=2.0 * FLAGS.rank, targets=L.parse_targets(FLAGS.targets))
+  if FLAGS.decode:
+    return decode_main(cfg, lora)
+  algo = get_algorithm("grpo", kl_coef=0.0)
   batch = _batch(cfg, np.random.default_rng(0))
   params = M.create_params(cfg, seed=0)
   kw = dict(group_size=FLAGS.samples, micro_batch_tokens=FLAGS.micro_batch_tokens)
@@ -119,14 +124,8 @@ def main(argv):
     jax.block_until_ready((states[k], m))
     return time.perf_counter() - t0
 
-  for k in trainers:  # warm-up: compiles
-    one(k)
-  times = {k: [] for k in trainers}
-  for _ in range(FLAGS.reps):
-    for k in trainers:
-      times[k].append(one(k))
+  times, med = _alternate(one, trainers)
   peak = workload.matmul_flops_per_s()
-  med = {k: statistics.median(v) for k, v in times.items()}
   fwd = 2.0 * workload.matmul_params(cfg) * batch.tokens.size  # matmul FLOPs of one forward
   print(json.dumps({
       "workload": "w5" if FLAGS.w5 else "w2", "rank": FLAGS.rank, "targets": list(lora.targets),

@@ -169,7 +169,7 @@ def sampler_programs(c: config_lib.RunConfig, sampler: Sampler, chip: Chip) -> d
     raise ValueError(f"plan.sampler_batch={B} is not a multiple of rollout.samples_per_prompt={G}")
   resident = sampler.memory["params"] + sampler.memory["cache"]  # the engine's own accounting
   if c.lora.enabled:  # + the pristine base the adapters merge into
-    resident += sum(map(planning_sync.shard_bytes, jax.tree.leaves(planning_sync.pristine_base(c, sampler.mesh))))
+    resident += planning_sync.pristine_bytes(c, sampler.mesh)
   if resident > chip.hbm_bytes:
     raise PlanError(_no_fit("sampler_decode", resident, chip, "params + KV cache alone",
                             f"{_KNOBS['sampler_decode'][0]} or {_KNOBS['sampler_decode'][1]}"))

@@ -39,6 +39,11 @@ def pristine_base(c: config_lib.RunConfig, mesh) -> Any:
   return _with(shapes, models.param_shardings(c.model, mesh))
 
 
+def pristine_bytes(c: config_lib.RunConfig, mesh) -> int:
+  """Bytes per sampler chip of LoRA's pristine base (`pristine_base`)."""
+  return sum(shard_bytes(x) for x in jax.tree.leaves(pristine_base(c, mesh)))
+
+
 def lower_merge(c: config_lib.RunConfig, sampler: Sampler) -> jax.stages.Lowered:
   """LoRA's per-version merge on the sampler, as the runtime jits it (lora.merge_to onto the sampler's shardings)."""
   out = jax.tree.map(lambda x: x.sharding, sampler.abstract_params())
@@ -69,11 +74,10 @@ def estimates(c: config_lib.RunConfig, sampler: Sampler, chip, cross_dcn: bool) 
   """The push estimate; with LoRA also the base's one-time push and the pristine copy's bytes per sampler chip."""
   out = dict(push=push_estimate(push_target(c, sampler), chip, cross_dcn))
   if c.lora.enabled:
-    base = pristine_base(c, sampler.mesh)
-    full = push_estimate(base, chip, cross_dcn)
+    full = push_estimate(pristine_base(c, sampler.mesh), chip, cross_dcn)
     out.update(push_base_once=full, lora=dict(
         rank=c.lora.rank, targets=list(c.lora.targets),
         adapter_params=lora_lib.count(lora_lib.abstract(c.model, c.lora)),
         push_share_of_full=out["push"]["total_bytes"] / full["total_bytes"],
-        sampler_pristine_bytes_per_chip=sum(shard_bytes(x) for x in jax.tree.leaves(base))))
+        sampler_pristine_bytes_per_chip=full["per_chip_sampler_bytes"]))  # the base's shards
   return out

@@ -195,11 +195,9 @@ def recover(run: RunConfig, parts: builders.Components, faults: Faults, err: Bas
                          "before the first checkpoint; restart the run")
     step, state, kept, data_state, history = (resume.step, resume.state, resume.pending, resume.data_state,
                                                resume.history)
-    if ref_params is not None and run.lora.enabled:
-      ref_params = new.trainer.base  # the reference is the base
-    elif ref_params is not None:
-      ref_params = (resume.ref_params if resume.ref_params is not None else
-                    jax.device_put(ref_params, new.trainer.state_shardings().params))
+    if ref_params is not None:  # LoRA: the reference is the base
+      ref_params = (new.trainer.base if run.lora.enabled else resume.ref_params if resume.ref_params is not None
+                    else jax.device_put(ref_params, new.trainer.state_shardings().params))
   elif kept:
     data_state = kept[-1].data_state
   faults.phase("push")
