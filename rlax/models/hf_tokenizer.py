@@ -4,11 +4,16 @@ Built on the `tokenizers` library (a core dependency) so that it behaves the
 same whether or not transformers is installed. The chat template is read from
 `chat_template.jinja` or `tokenizer_config.json` and rendered the way
 transformers renders it (sandboxed jinja2, trim_blocks, lstrip_blocks).
+
+Text that the policy or a tool wrote is encoded with special-token parsing off
+(`encode(text, special=False)`, `encode_chat`): a tool result holding
+`<|im_end|>` is those characters, never the control token.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from datetime import datetime
@@ -31,6 +36,8 @@ class Tokenizer:
   special_tokens: dict[str, str]
   chat_template: Optional[str] = None
   eos_token_ids: tuple[int, ...] = ()
+  _plain: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+  _controls: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
   @property
   def vocab_size(self) -> int:
@@ -62,13 +69,72 @@ class Tokenizer:
     eos_ids = (backend.token_to_id(eos),) if eos is not None else ()
     return cls(backend=backend, special_tokens=special, chat_template=chat_template, eos_token_ids=eos_ids)
 
+  @classmethod
+  def from_transformers(cls, tok) -> "Tokenizer":
+    """The same tokenizer from a transformers fast tokenizer (its backend, special tokens and template)."""
+    special = {k: getattr(tok, k) for k in _SPECIAL if isinstance(getattr(tok, k, None), str)}
+    eos = (tok.eos_token_id,) if getattr(tok, "eos_token_id", None) is not None else ()
+    return cls(backend=tok.backend_tokenizer, special_tokens=special, chat_template=tok.chat_template,
+               eos_token_ids=eos)
+
   def token_id(self, name: str) -> Optional[int]:
     """Id of a special token by role ('bos_token', 'eos_token', 'pad_token'), or None."""
     tok = self.special_tokens.get(name)
     return None if tok is None else self.backend.token_to_id(tok)
 
-  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-    return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+  def encode(self, text: str, add_special_tokens: bool = True, special: bool = True) -> list[int]:
+    """special=False: special-token strings in `text` are plain text (HF's `split_special_tokens=True`);
+    added tokens that are not special (Qwen's `<think>`) still encode as their ids."""
+    if not special and self._plain is None:  # a copy with the flag set: never toggled on a shared backend
+      plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+      plain.encode_special_tokens = True
+      self._plain = plain
+    backend = self.backend if special else self._plain
+    return backend.encode(_valid(text), add_special_tokens=add_special_tokens).ids
+
+  @property
+  def controls(self) -> dict[str, int]:
+    """The control tokens: added tokens marked special, by their text."""
+    if self._controls is None:
+      self._controls = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+    return self._controls
+
+  def find_controls(self, text: str) -> list[tuple[int, int, int]]:
+    """(start, end, id) of the control-token strings in `text`, leftmost-longest as the backend matches them."""
+    hits = []
+    for s, i in self.controls.items():
+      at = text.find(s)
+      while at >= 0:
+        hits.append((at, -len(s), i))
+        at = text.find(s, at + 1)
+    out, end = [], 0
+    for at, neg, i in sorted(hits):
+      if at >= end:
+        out.append((at, at - neg, i))
+        end = at - neg
+    return out
+
+  def encode_chat(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
+    """Ids of a chat text given as (text, is_content) pieces: control tokens only where the markup pieces write
+    them, content always plain text. Honest content encodes exactly as the joined text does."""
+    at, marks, dirty = 0, [], False
+    for piece, content in pieces:
+      if content:
+        dirty = dirty or any(s in piece for s in self.controls)
+      else:
+        marks += [(s + at, e + at, i) for s, e, i in self.find_controls(piece)]
+      at += len(piece)
+    text = "".join(piece for piece, _ in pieces)
+    if not dirty:
+      ids = self.encode(text, add_special_tokens=False)
+      controls = set(self.controls.values())
+      if [i for i in ids if i in controls] == [i for _, _, i in marks]:
+        return ids
+    out, at = [], 0  # content holds a control-token string: cut at the markup's, the rest plain text
+    for s, e, i in marks:
+      out += self.encode(text[at:s], add_special_tokens=False, special=False) + [i]
+      at = e
+    return out + self.encode(text[at:], add_special_tokens=False, special=False)
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -82,20 +148,34 @@ class Tokenizer:
     """
     if self.chat_template is None:
       raise ValueError("this tokenizer has no chat template (tokenizer_config.json, chat_template.jinja)")
-    import jinja2.sandbox  # only needed for chat templates
-
-    def raise_exception(msg):
-      raise jinja2.exceptions.TemplateError(msg)
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii)
-    env.globals.update(raise_exception=raise_exception,
-                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    text = env.from_string(self.chat_template).render(
+    text = _compiled(self.chat_template).render(
         messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs)
     return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _valid(text: str) -> str:
+  """`text` encodable as UTF-8: lone surrogates (from a JSON escape) become '?'."""
+  try:
+    text.encode("utf-8")
+    return text
+  except UnicodeEncodeError:
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str):
+  """A chat template compiled once (renderers render one per message to locate contents)."""
+  import jinja2.sandbox  # only needed for chat templates
+
+  def raise_exception(msg):
+    raise jinja2.exceptions.TemplateError(msg)
+
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                     extensions=["jinja2.ext.loopcontrols"])
+  env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+      x, indent=indent, ensure_ascii=ensure_ascii)
+  env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+  return env.from_string(template)
 
 
 def _read_json(path: str) -> dict:

@@ -9,7 +9,8 @@ from rlax.rewards.code import code_reward, extract_code, make_code_reward
 from rlax.rewards.math import math_reward
 from rlax.rewards.pool import GradeBatch, VerifierPool
 from rlax.rewards.registry import auto_reward, build, combine, get, names, register
-from rlax.rewards.sandbox import SandboxLimits, SandboxResult, isolation_mode, run_tests
+from rlax.rewards.code_tests import SandboxResult, run_tests
+from rlax.rewards.sandbox import ProgramResult, SandboxLimits, isolation_mode, run_program
 from rlax.rewards.text import (ANSWER_MODES, arithmetic_reward, check_answer_mode, countdown_reward,
                                exact_reward, extract_answer, extract_boxed, extract_final,
                                extract_last_number, extract_tag, format_reward, has_answer_format,

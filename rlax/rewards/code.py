@@ -1,7 +1,8 @@
-"""Code reward: extract the model's Python and run the record's tests in the sandbox.
+"""Code reward: extract the model's Python and grade it on the record's tests.
 
 The last fenced ```python (or bare ```) block is the solution; without a fence the whole
-completion is. Reward is 1.0 when every test passes, or the passed fraction with `partial=True`.
+completion is. The solution runs in the sandbox; the tests' comparisons run outside it
+(`rlax.rewards.code_tests`). Reward is 1.0 when every test holds, or the held fraction with `partial=True`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import re
 
 from absl import logging
 
+from rlax.rewards import code_tests
 from rlax.rewards import sandbox
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -24,14 +26,12 @@ def extract_code(completion: str) -> str:
 
 def code_reward(completion: str, record, limits: sandbox.SandboxLimits = sandbox.SandboxLimits(),
                 partial: bool = False) -> tuple[float, dict]:
-  """Runs `record.tests` against the extracted code in the sandbox; see module docstring."""
+  """Grades the extracted code on `record.tests`; see the module docstring."""
   if not record.tests:
     raise ValueError(f"record {record.id} has no tests for the code reward")
-  res = sandbox.run_tests(extract_code(completion), record.tests, limits=limits)
+  res = code_tests.run_tests(extract_code(completion), record.tests, limits=limits)
   if res.status != "ok":
     logging.info("code reward 0 for %s: %s", record.id, res.error)
-  if res.status == "ok" and res.total != len(record.tests):
-    return 0.0, {"status": "tampered", "reason": f"ran {res.total} of {len(record.tests)} tests"}
   reward = (res.passed / res.total if partial else float(res.all_passed)) if res.status == "ok" else 0.0
   return reward, {"status": res.status, "passed": res.passed, "total": res.total,
                   "reason": res.error or "all tests passed", "wall_s": res.wall_s}

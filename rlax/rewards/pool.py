@@ -14,15 +14,21 @@ and completions longer than `max_chars` are refused without grading.
 Workers are forked from a fork server (a clean, single-threaded interpreter, shared by the open
 pools, that imported `rlax.rewards` once), so a replacement starts in milliseconds and the
 controller itself, which runs JAX's threads, never forks. (multiprocessing's fork server is not
-used: it re-imports the controller's `__main__` in every worker.) Nothing outlives the pools: the
-fork server exits when its control socket closes (the last pool closed, or the controller died) and
-each worker has PR_SET_PDEATHSIG. `close()` ends unfinished jobs with reward 0 at once.
+used: it re-imports the controller's `__main__` in every worker.) Nothing outlives a job or the pools:
+each worker runs in a session of its own and kills whatever its job left after every job (so a grader
+cannot keep a helper process from one job to the next), a deadline, retirement or `close()` kills a
+worker's whole process tree, and a grading that may run the code sandbox gets the sandbox's wall clock plus
+`job_margin_s` (`processes.grading_deadline`). The fork server exits
+when its control socket closes (the last pool closed, or the controller died), killing its tree; each
+worker has PR_SET_PDEATHSIG. `close()` ends unfinished jobs with reward 0 at once. Each worker configures
+the code sandbox with the pool's `sandbox` mode. Results come back as JSON; a non-JSON info value becomes
+its repr.
 
 Reward functions travel by pickle: by reference when importable (the built-in rewards,
 `functools.partial`s of them, module-level functions), else by value with cloudpickle (lambdas,
-closures, anything in `__main__`). A function neither can pickle is graded in a thread of this
-process with the old thread semantics (its timeout gives reward 0 but cannot stop it), and one
-warning says so.
+closures, anything in `__main__`). A function neither can pickle is refused at submit with one
+ValueError line, unless the pool (or the submit) opted in with `in_process=True`: then it is graded in a
+thread of this process, where its timeout gives reward 0 but cannot stop it, and no memory cap applies.
 """
 
 from __future__ import annotations
@@ -35,17 +41,18 @@ from typing import Any, Callable, Optional, Sequence
 from absl import logging
 
 from rlax.rewards import processes
+from rlax.rewards import sandbox as sandbox_lib
 
 RewardFn = Callable[[str, Any], tuple[float, dict]]
-
 
 
 @dataclasses.dataclass
 class _Job:
   fn: RewardFn
+  blob: Optional[bytes]  # the pickled fn; None: graded in a thread (in_process)
   completion: str
   record: Any
-  timeout_s: float
+  timeout_s: float  # the deadline (processes.grading_deadline)
   quiet: bool = False  # no warning on failure: the caller counts outcomes (tool calls)
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
   result: Optional[tuple[float, dict]] = None
@@ -75,22 +82,33 @@ class VerifierPool:
     timeout_s: default per-item deadline, from when a worker starts the item.
     memory_mb: address space each worker may grow by before its allocations fail.
     max_chars: longer completions get reward 0 ('completion too long') without being graded.
+    sandbox: the code sandbox's mode in every worker: "auto" (the jail; policy-written code is refused where
+      there is none) or "unsafe" (explicit opt-in: run it with resource limits only).
+    job_margin_s: a grading that may run the code sandbox gets its wall clock plus this, at least.
+    in_process: opt-in to grade functions that cannot be pickled in threads of this process (no kill, no
+      memory cap); without it they are refused at submit.
   """
 
   def __init__(self, num_workers: int = 8, timeout_s: float = 30.0, memory_mb: int = 4096,
-               max_chars: int = 1 << 20):
-    if num_workers <= 0 or timeout_s <= 0 or memory_mb <= 0 or max_chars <= 0:
-      raise ValueError("num_workers, timeout_s, memory_mb and max_chars must be positive, got "
-                       f"{num_workers}, {timeout_s}, {memory_mb}, {max_chars}")
+               max_chars: int = 1 << 20, sandbox: str = "auto", job_margin_s: float = processes.JOB_MARGIN_S,
+               in_process: bool = False):
+    if num_workers <= 0 or timeout_s <= 0 or memory_mb <= 0 or max_chars <= 0 or job_margin_s < 0:
+      raise ValueError("num_workers, timeout_s, memory_mb and max_chars must be positive and job_margin_s >= 0, "
+                       f"got {num_workers}, {timeout_s}, {memory_mb}, {max_chars}, {job_margin_s}")
+    if sandbox not in processes.SANDBOX_MODES:
+      raise ValueError(f"sandbox={sandbox!r}: use 'auto' (the jail) or 'unsafe' (no isolation, explicit)")
     self.timeout_s, self.memory_mb, self.max_chars = timeout_s, memory_mb, max_chars
+    self.sandbox, self.job_margin_s, self.in_process = sandbox, job_margin_s, in_process
     self._queue: queue.Queue = queue.Queue()
     self._lock = threading.Lock()
-    self._blobs: dict[int, tuple[Any, Optional[bytes]]] = {}  # id(fn) -> (fn, pickled fn or None)
+    self._fns: dict[int, tuple] = {}  # id(fn) -> (fn, pickled fn or None, its sandbox wall, why not)
     self._workers: dict[int, processes.Worker] = {}
+    self._start_error = ""
     self.abandoned = 0  # gradings killed at their deadline
     self.errors = 0
     self.completed = 0
     self._closed = False
+    sandbox_lib.remove_stale_jobs()  # what a killed run's jobs left
     processes.use_server(+1)
     self._threads = [threading.Thread(target=self._serve, args=(k,), daemon=True,
                                       name=f"verifier-{k}") for k in range(num_workers)]
@@ -105,33 +123,41 @@ class VerifierPool:
 
   def _start(self, k: int) -> Optional[processes.Worker]:
     try:
-      worker = processes.Worker(self.memory_mb)
+      worker = processes.Worker(self.memory_mb, self.sandbox)
     except Exception as e:  # pylint: disable=broad-except
       logging.error("could not start grading process %d: %s: %s", k, type(e).__name__, e)
       with self._lock:
         self._workers.pop(k, None)
+        self._start_error = f"{type(e).__name__}: {e}"
       return None
     with self._lock:
       self._workers[k] = worker
     return worker
 
-  def _blob(self, fn) -> Optional[bytes]:
-    """The pickled reward function, cached per function object; None if it cannot be pickled."""
+  def _prepare(self, fn, in_process: bool) -> tuple[Optional[bytes], float]:
+    """(the pickled fn, or None to grade it in a thread; its sandbox wall clock), cached per function object.
+    ValueError (one line) for a function that cannot be pickled, unless `in_process`."""
     with self._lock:
-      hit = self._blobs.get(id(fn))
-    if hit is not None and hit[0] is fn:
-      return hit[1]
-    try:
-      blob = processes.dumps(fn)
-    except Exception as e:  # pylint: disable=broad-except
-      blob = None
-      logging.warning("reward function %r cannot be pickled (%s: %s); grading it in threads of this "
-                      "process, where a grader that hangs cannot be stopped", fn, type(e).__name__, e)
-    with self._lock:
-      if len(self._blobs) >= 256:  # new closures every batch must not grow this without bound
-        self._blobs.clear()
-      self._blobs[id(fn)] = (fn, blob)  # holding fn keeps id(fn) from being reused
-    return blob
+      hit = self._fns.get(id(fn))
+    if hit is None or hit[0] is not fn:
+      try:
+        blob, why = processes.dumps(fn), ""
+      except Exception as e:  # pylint: disable=broad-except
+        blob, why = None, f"{type(e).__name__}: {e}".splitlines()[0][:300]
+      hit = (fn, blob, processes.sandbox_wall_s(fn), why)
+      with self._lock:
+        if len(self._fns) >= 256:  # new closures every batch must not grow this without bound
+          self._fns.clear()
+        self._fns[id(fn)] = hit  # holding fn keeps id(fn) from being reused
+      if blob is None and in_process:
+        logging.warning("reward function %r cannot be pickled (%s); grading it in threads of this process "
+                        "(in_process=True), where a grader that hangs cannot be stopped", fn, why)
+    if hit[1] is None and not in_process:
+      name = getattr(fn, "__qualname__", None) or " ".join(repr(fn).split())[:200]
+      raise ValueError(f"reward function {name} cannot be sent to a "
+                       f"grading process ({hit[3]}): make it a module-level function, or opt in with "
+                       "VerifierPool(in_process=True) to grade it in this process with no kill and no memory cap")
+    return hit[1], hit[2]
 
   def _serve(self, k: int):
     worker = self._start(k)
@@ -150,13 +176,12 @@ class VerifierPool:
       worker.retire()
 
   def _grade(self, k: int, worker: Optional[processes.Worker], job: _Job) -> Optional[processes.Worker]:
-    """Grades `job` on `worker` (or not, see the module docstring); returns the worker to use next."""
+    """Grades `job` on `worker` (or in a thread, see the module docstring); returns the worker to use next."""
     if len(job.completion) > self.max_chars:
       self._finish(job, (0.0, {"reason": f"completion too long: {len(job.completion)} chars > "
                                          f"{self.max_chars}", "too_long": True}))
       return worker
-    blob = self._blob(job.fn)
-    if blob is None:
+    if job.blob is None:
       self._finish(job, self._run_in_thread(job))
       return worker
     try:
@@ -164,17 +189,22 @@ class VerifierPool:
     except Exception as e:  # pylint: disable=broad-except
       self._finish(job, processes.error(f"record cannot be sent to a grading process: {e}"))
       return worker
-    if worker is None:  # a previous start failed: try again for every job rather than hang
-      worker = self._start(k)
-      if worker is None:
-        self._finish(job, processes.error("no grading process could be started"))
-        return None
-    result, healthy = worker.run(blob, payload, job.timeout_s)
-    self._finish(job, result)  # before the replacement starts: the caller is waiting
-    if healthy:
-      return worker
-    worker.retire()
-    return None if self._closed else self._start(k)
+    for _ in range(2):  # a worker found dead before the job reached it is replaced, once
+      if worker is None:  # a previous start failed: try again for every job rather than hang
+        worker = None if self._closed else self._start(k)
+        if worker is None:
+          self._finish(job, processes.error(f"no grading process could be started: {self._start_error}"))
+          return None
+      result, healthy = worker.run(job.blob, payload, job.timeout_s)
+      if not healthy:
+        worker.retire()  # before the result: what the job started is dead when the caller hears of it
+        worker = None
+      if result is not None:
+        break
+    else:
+      result = processes.error("the grading process died before the job reached it")
+    self._finish(job, result)  # before a replacement starts: the caller is waiting
+    return worker if worker is not None or self._closed else self._start(k)
 
   def _run_in_thread(self, job: _Job) -> tuple[float, dict]:
     box = []
@@ -209,10 +239,12 @@ class VerifierPool:
     job.result = result
     job.done.set()
 
-  def submit(self, fns: RewardFn | Sequence[RewardFn], completions: Sequence[str],
-             records: Sequence[Any], timeout_s: Optional[float] = None, quiet: bool = False) -> GradeBatch:
+  def submit(self, fns: RewardFn | Sequence[RewardFn], completions: Sequence[str], records: Sequence[Any],
+             timeout_s: Optional[float] = None, quiet: bool = False,
+             in_process: Optional[bool] = None) -> GradeBatch:
     """Queues one grading per (completion, record); `fns` is one function or one per item. quiet: failures and
-    timeouts are not logged (the caller counts them: tool calls)."""
+    timeouts are not logged (the caller counts them: tool calls). in_process: the pool's opt-in, for this
+    batch. A function that cannot be pickled, without the opt-in, is a ValueError before anything is queued."""
     if self._closed:
       raise RuntimeError("this VerifierPool is closed")
     if len(completions) != len(records):
@@ -221,14 +253,19 @@ class VerifierPool:
       fns = [fns] * len(completions)
     if len(fns) != len(completions):
       raise ValueError(f"{len(fns)} reward functions for {len(completions)} completions")
-    jobs = [_Job(f, c, r, timeout_s or self.timeout_s, quiet) for f, c, r in zip(fns, completions, records)]
+    in_process = self.in_process if in_process is None else in_process
+    jobs = []
+    for f, c, r in zip(fns, completions, records):
+      blob, wall = self._prepare(f, in_process)
+      deadline = processes.grading_deadline(timeout_s or self.timeout_s, wall, self.job_margin_s)
+      jobs.append(_Job(f, blob, c, r, deadline, quiet))
     for j in jobs:
       self._queue.put(j)
     return GradeBatch(jobs, self)
 
-  def grade(self, fns, completions, records, timeout_s=None) -> list[tuple[float, dict]]:
+  def grade(self, fns, completions, records, timeout_s=None, in_process=None) -> list[tuple[float, dict]]:
     """Blocking `submit(...).results()`."""
-    return self.submit(fns, completions, records, timeout_s).results()
+    return self.submit(fns, completions, records, timeout_s, in_process=in_process).results()
 
   def close(self):
     """Ends the workers at once (and the fork server, after the last pool): a job not finished gets

@@ -1,31 +1,84 @@
-"""Grading processes for the verifier pool: the fork server, a worker's loop, and the controller's
-handle on one worker (see `rlax.rewards.pool` for why graders run in processes)."""
+"""Grading processes for the verifier pool: the fork server, a worker's loop, the controller's handle on one
+worker, and the rules that bound a job's lifetime (see `rlax.rewards.pool` for why graders run in processes).
+
+Lifetimes. The fork server and every worker run in sessions of their own, never in the controller's process
+group, so a job calling `os.killpg(0, ...)` or `os.kill(0, ...)` reaches its own worker at most. A worker is
+a child subreaper: whatever a job starts, double-forks or `setsid`s away stays its descendant, and after
+every job, successful or not, the worker kills each descendant left (`kill_tree`). At a deadline, a
+retirement or `close()` the controller kills the worker's whole tree. What a worker killed from outside
+leaves is re-parented to the fork server (a subreaper too), which kills every child of its own that is not a
+live worker when the controller asks (`sweep`, after each worker it retires) and everything when it exits.
+
+Results cross as JSON data (a hostile grader cannot make the controller unpickle anything); requests,
+controller to worker, are pickles.
+"""
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import functools
+import json
 from multiprocessing import connection
 import os
 import pickle
 import resource
+import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
+import types
 from typing import Optional
 
 import cloudpickle
 
+from rlax.rewards import code, registry, sandbox
+
 _START_TIMEOUT_S = 300.0  # the fork server's first start imports rlax.rewards (seconds on a busy host)
 _LOAD_TIMEOUT_S = 120.0  # unpickling a reward function (importing its module) in a fresh worker
 _FN_CACHE = 64  # pickled reward functions kept per worker (they are reused batch after batch)
+_MAX_MESSAGE = 16 << 20  # bytes of one result; a larger one is an error, never read whole
+_REPR_CHARS = 1000  # a value JSON has no type for crosses as its repr, cut to this
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+JOB_MARGIN_S = 2.0  # a sandbox's start, kill and clean-up around its wall clock (`grading_deadline`)
+SANDBOX_MODES = ("auto", "unsafe")  # sandbox.configure's: the jail (refusing without one), or no isolation
+_EMPTY_CELL = types.CellType()  # compares equal to an empty closure cell only (reading one raises)
+
+
+def grading_deadline(timeout_s: float, sandbox_wall_s: float, margin_s: float = JOB_MARGIN_S) -> float:
+  """A job's deadline: `timeout_s`, raised to the sandbox's wall clock plus `margin_s` for a job that runs the
+  code sandbox, so that the sandbox ends (and cleans up) its own job before the pool kills the worker.
+  The one place this rule lives; VerifierPool.submit applies it to every grading and tool call."""
+  return max(timeout_s, sandbox_wall_s + margin_s) if sandbox_wall_s > 0 else timeout_s
+
+
+def sandbox_wall_s(fn, depth: int = 0) -> float:
+  """The longest sandbox wall clock one call of `fn` may run into (0: none known): what `fn.sandbox_wall_s`
+  declares (the `python` tool; any function may), the `SandboxLimits` a partial or closure holds
+  (`make_code_reward`), the default limits' for the built-in code and auto rewards, else the most over the
+  functions a partial or closure wraps (combined rewards, format bonuses)."""
+  declared = getattr(fn, "sandbox_wall_s", None)
+  if isinstance(declared, (int, float)):
+    return float(declared)
+  if fn is code.code_reward or fn is registry.auto_reward:
+    return sandbox.SandboxLimits().wall_s
+  if isinstance(fn, functools.partial):
+    parts = [fn.func, *fn.args, *fn.keywords.values()]
+  else:
+    parts = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if c != _EMPTY_CELL]
+  parts += [v for p in parts if isinstance(p, dict) for v in p.values()]
+  limits = [p.wall_s for p in parts if isinstance(p, sandbox.SandboxLimits)]
+  if limits or depth >= 4:
+    return max(limits, default=0.0)
+  return max((sandbox_wall_s(p, depth + 1) for p in parts if callable(p)), default=0.0)
 
 
 def timeout(seconds: float) -> tuple[float, dict]:
   """The (reward, info) of a grading stopped at its deadline: reward 0, `timeout: True`."""
-  return 0.0, {"reason": f"timeout after {seconds:.1f}s", "timeout": True}
+  return 0.0, {"reason": f"timeout after {seconds:.1f}s", "timeout": True, "deadline_s": seconds}
 
 
 def error(e: BaseException | str) -> tuple[float, dict]:
@@ -34,9 +87,9 @@ def error(e: BaseException | str) -> tuple[float, dict]:
   return 0.0, {"reason": f"grader error: {text}"[:1000], "error": True}
 
 
-def _die_with_parent() -> None:
-  try:  # PR_SET_PDEATHSIG = 1: SIGKILL when the fork server (our parent) exits
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))
+def _prctl(option: int, value: int) -> None:
+  try:
+    ctypes.CDLL(None, use_errno=True).prctl(option, value)
   except (OSError, AttributeError):
     pass
 
@@ -50,25 +103,134 @@ def _cap_memory(memory_mb: int) -> None:
   resource.setrlimit(resource.RLIMIT_AS, (cap if hard < 0 else min(cap, hard), hard))
 
 
-def _plain_info(info: dict) -> dict:
-  """`info` if it pickles, else with values that do not replaced by their repr."""
+# -- process trees -------------------------------------------------------------------------------------------
+def _stat(pid) -> Optional[tuple[int, str, int]]:
+  """(parent pid, state, start time) of process `pid`, or None when it is gone."""
   try:
-    pickle.dumps(info)
-    return info
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      fields = f.read().rsplit(b")", 1)[1].split()
+    return int(fields[1]), fields[0].decode(), int(fields[19])
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def _table() -> dict[int, tuple[int, str, int]]:
+  """`_stat` of every process (/proc lists no children on every kernel, so parents are read)."""
+  stats = {int(entry): _stat(entry) for entry in os.listdir("/proc") if entry.isdigit()}
+  return {pid: st for pid, st in stats.items() if st}
+
+
+def descendants(pid: int) -> list[int]:
+  """The live (not zombie) descendants of `pid`."""
+  table, kids = _table(), collections.defaultdict(list)
+  for p, (parent, _, _) in table.items():
+    kids[parent].append(p)
+  out, todo = [], [pid]
+  while todo:
+    for c in kids.get(todo.pop(), ()):
+      todo.append(c)
+      if table[c][1] not in "ZX":
+        out.append(c)
+  return out
+
+
+def _signal(pids, sig) -> None:
+  for p in pids:
+    try:
+      os.kill(p, sig)
+    except OSError:
+      pass
+
+
+def kill_tree(pid: int, include_root: bool = True, budget_s: float = 5.0) -> None:
+  """SIGKILLs every descendant of `pid` (and `pid` with its process group, with include_root) until none is
+  left. Each round stops the tree before it kills it: a stopped process cannot fork away meanwhile."""
+  end = time.monotonic() + budget_s
+  root = [pid] if include_root else []
+  while True:
+    tree = descendants(pid) + root
+    if not tree:
+      return
+    _signal(tree, signal.SIGSTOP)
+    _signal(descendants(pid) + tree, signal.SIGKILL)  # again: what forked before its parent stopped
+    if include_root:
+      try:
+        os.killpg(pid, signal.SIGKILL)
+      except OSError:
+        pass
+    root = []
+    if time.monotonic() > end:
+      return
+    time.sleep(0.002)
+
+
+def _clean_up_job() -> None:
+  """Kills what a job left running (it may have double-forked: this subreaper is still its ancestor)."""
+  try:
+    os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+  except ChildProcessError:
+    return  # no child at all, so no descendant: the common case, one system call
+  kill_tree(os.getpid(), include_root=False)
+  while True:  # reap the killed
+    try:
+      if os.waitpid(-1, os.WNOHANG)[0] == 0:
+        return
+    except ChildProcessError:
+      return
+
+
+# -- results as JSON -----------------------------------------------------------------------------------------
+def _repr(v) -> str:
+  try:
+    return repr(v)[:_REPR_CHARS]
   except Exception:  # pylint: disable=broad-except
-    return {str(k): v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
-            for k, v in info.items()}
+    return f"<{type(v).__name__} without a repr>"
 
 
-def _worker_main(conn: connection.Connection, memory_mb: int) -> None:
+def _plain(v, depth: int = 0):
+  """`v` as JSON data: plain values and containers of them kept, anything else its repr."""
+  t = type(v)
+  if v is None or t in (bool, str, float) or (t is int and v.bit_length() < 10000):
+    return v
+  if depth < 16 and t in (list, tuple):
+    return [_plain(x, depth + 1) for x in v]
+  if depth < 16 and t is dict:
+    return {k if type(k) is str else _repr(k): _plain(x, depth + 1) for k, x in v.items()}
+  return _repr(v)
+
+
+def _encode(result: tuple[float, dict]) -> bytes:
+  blob = json.dumps({"reward": result[0], "info": _plain(result[1])}).encode()
+  if len(blob) > _MAX_MESSAGE:
+    fail = error(f"the grader's result is {len(blob)} bytes, over the {_MAX_MESSAGE >> 20} MB limit")
+    blob = json.dumps({"reward": fail[0], "info": fail[1]}).encode()
+  return blob
+
+
+def _decode(blob: bytes) -> tuple[float, dict]:
+  msg = json.loads(blob)
+  reward, info = float(msg["reward"]), msg["info"]
+  if not isinstance(info, dict):
+    raise ValueError("info is not an object")
+  return reward, info
+
+
+# -- the worker and the fork server --------------------------------------------------------------------------
+def _worker_main(conn: connection.Connection, memory_mb: int, mode: str) -> None:
   """A worker process: grades (pickled fn, pickled (completion, record)) messages one at a time."""
-  _die_with_parent()
+  _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+  try:
+    sandbox.configure(mode)
+  except Exception as e:  # pylint: disable=broad-except
+    conn.send_bytes(json.dumps({"ready": False, "reason": f"{type(e).__name__}: {e}"[:1000]}).encode())
+    return
   _cap_memory(memory_mb)
   fns: collections.OrderedDict = collections.OrderedDict()
-  conn.send_bytes(b"ready")
+  conn.send_bytes(json.dumps({"ready": True}).encode())
   while True:
     try:
       fn_blob, payload = pickle.loads(conn.recv_bytes())
+      conn.send_bytes(b"")  # taken: a death from here on is this job's
     except (EOFError, OSError):
       return  # the controller closed the pool or exited
     fatal = False
@@ -83,21 +245,45 @@ def _worker_main(conn: connection.Connection, memory_mb: int) -> None:
       else:
         completion, record = pickle.loads(payload)
         reward, info = fn(completion, record)
-        out = (float(reward), _plain_info(dict(info)))
+        out = (float(reward), dict(info))
     except MemoryError:
       out, fatal = error(f"MemoryError: the grader exceeded its {memory_mb} MB memory cap"), True
       out[1]["memory_cap"] = True
     except BaseException as e:  # pylint: disable=broad-except
       out = error(e)
-    conn.send_bytes(pickle.dumps(out))
+    try:
+      _clean_up_job()
+      blob = _encode(out)
+    except MemoryError:
+      blob, fatal = _encode(error("MemoryError after the grading: the worker is replaced")), True
+    conn.send_bytes(blob)
     if fatal:
       return  # after a MemoryError the interpreter's state is suspect: a fresh worker replaces us
 
 
+def _sweep(workers: dict[int, Optional[int]]) -> int:
+  """Kills every child of this fork server that is not a live worker, with its tree: what the jobs of a
+  worker killed from outside left (re-parented here, a subreaper). Returns how many."""
+  me, n = os.getpid(), 0
+  for _ in range(100):
+    table = _table()
+    for pid in [p for p in workers if p not in table]:
+      del workers[pid]
+    strays = [p for p, (parent, state, start) in table.items()
+              if parent == me and state not in "ZX" and workers.get(p, -1) != start]
+    if not strays:
+      break
+    n += len(strays)
+    for p in strays:
+      kill_tree(p)
+  return n
+
+
 def serve_forks(ctl_fd: int) -> None:
-  """The fork server's loop (`python -c`): one forked worker per request, until the controller's
-  end of the control socket closes (it exited, or was killed)."""
+  """The fork server's loop (`python -c`): one forked worker per b"f" request, a `_sweep` per b"s", until
+  the controller's end of the control socket closes (it exited, or was killed)."""
   ctl = socket.socket(fileno=ctl_fd)
+  _prctl(_PR_SET_CHILD_SUBREAPER, 1)
   try:  # math-verify builds its parsers on first use (~0.5 s): once here, not in every worker
     from rlax.data.records import Record  # pylint: disable=g-import-not-at-top
     from rlax.rewards import math as math_rewards  # pylint: disable=g-import-not-at-top
@@ -105,23 +291,33 @@ def serve_forks(ctl_fd: int) -> None:
   except Exception:  # pylint: disable=broad-except
     pass
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the controller decides
-  signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps dead workers: no zombies
+  signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps dead workers (and adopted orphans)
+  workers: dict[int, Optional[int]] = {}  # pid -> start time of each worker forked here
   while True:
     try:
-      msg, fds, _, _ = socket.recv_fds(ctl, 16, 1)
+      msg, fds, _, _ = socket.recv_fds(ctl, 64, 1)
     except OSError:  # reset: the controller died
       msg = b""
     if not msg:
+      kill_tree(os.getpid(), include_root=False)
       os._exit(0)
-    pid = os.fork()
+    if msg[:1] == b"s":
+      ctl.sendall(_sweep(workers).to_bytes(8, "little"))
+      continue
+    me, pid = os.getpid(), os.fork()
     if pid == 0:
       ctl.close()
+      _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))  # the worker dies with this server
+      if os.getppid() != me:  # which died before that was set
+        os._exit(0)
+      os.setsid()  # its own session and group: nothing a job signals reaches the controller's group
       signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the code sandbox waits for its children
       try:
-        _worker_main(connection.Connection(fds[0]), int.from_bytes(msg[1:9], "little"))
+        _worker_main(connection.Connection(fds[0]), int.from_bytes(msg[1:9], "little"), msg[9:].decode())
       finally:
         os._exit(0)
     os.close(fds[0])
+    workers[pid] = (_stat(pid) or (0, "", None))[2]
     ctl.sendall(pid.to_bytes(8, "little"))
 
 
@@ -141,30 +337,45 @@ class _ForkServer:
     env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     self.proc = subprocess.Popen(
         [sys.executable, "-c", f"from rlax.rewards import processes; processes.serve_forks({theirs.fileno()})"],
-        pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, start_new_session=True)
     theirs.close()
     mine.settimeout(_START_TIMEOUT_S)
     self.sock, self.lock = mine, threading.Lock()
 
-  def fork(self, memory_mb: int) -> tuple[int, connection.Connection]:
+  def _reply(self) -> int:
+    reply = b""
+    while len(reply) < 8:
+      chunk = self.sock.recv(8 - len(reply))
+      if not chunk:
+        raise EOFError("the grading fork server exited")
+      reply += chunk
+    return int.from_bytes(reply, "little")
+
+  def fork(self, memory_mb: int, mode: str) -> tuple[int, connection.Connection]:
     """(pid, the controller's end of its pipe) of a new worker."""
     mine, theirs = socket.socketpair()
     try:
       with self.lock:
-        socket.send_fds(self.sock, [b"f" + memory_mb.to_bytes(8, "little")], [theirs.fileno()])
-        reply = b""
-        while len(reply) < 8:
-          chunk = self.sock.recv(8 - len(reply))
-          if not chunk:
-            raise EOFError("the grading fork server exited")
-          reply += chunk
+        socket.send_fds(self.sock, [b"f" + memory_mb.to_bytes(8, "little") + mode.encode()], [theirs.fileno()])
+        pid = self._reply()
+    except BaseException:
+      mine.close()
+      raise
     finally:
       theirs.close()
-    return int.from_bytes(reply, "little"), connection.Connection(mine.detach())
+    return pid, connection.Connection(mine.detach())
 
+  def sweep(self) -> None:
+    """Has the server kill what dead workers' jobs left (see `_sweep`); quiet if the server is gone."""
+    try:
+      with self.lock:
+        self.sock.sendall(b"s")
+        self._reply()
+    except (OSError, EOFError):
+      pass
 
   def close(self) -> None:
-    self.sock.close()  # the server exits at EOF; its workers follow (PR_SET_PDEATHSIG)
+    self.sock.close()  # the server kills its whole tree and exits at EOF
     try:
       self.proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
@@ -177,14 +388,23 @@ _server_users = 0  # open pools: the server outlives none of them, so a closed p
 _server_lock = threading.Lock()
 
 
-def _fork_worker(memory_mb: int) -> tuple[int, connection.Connection]:
-  """Forks a worker from the shared fork server, (re)starting the server if needed."""
+def _fork_worker(memory_mb: int, mode: str) -> tuple[_ForkServer, int, connection.Connection]:
+  """Forks a worker from the shared fork server, (re)starting the server if it is gone (a job killed it)."""
   global _server
-  with _server_lock:
-    if _server is None or _server.proc.poll() is not None:
-      _server = _ForkServer()
-    server = _server
-  return server.fork(memory_mb)
+  for attempt in range(2):
+    with _server_lock:
+      if _server is None or _server.proc.poll() is not None:
+        if _server is not None:
+          _server.close()
+        _server = _ForkServer()
+      server = _server
+    try:
+      return (server, *server.fork(memory_mb, mode))
+    except (OSError, EOFError):
+      if attempt:
+        raise
+      server.proc.wait(timeout=5)  # it died under us (a job killed it): poll() sees it dead next time
+  raise AssertionError("unreachable")
 
 
 def use_server(delta: int) -> None:
@@ -208,61 +428,123 @@ def dumps(obj) -> bytes:
   return cloudpickle.dumps(obj)
 
 
+class _Unsent(Exception):
+  """The worker died before it took the job: the job may go to another one."""
+
+
+class _Malformed(Exception):
+  """The worker's reply is not a result: the worker is not to be trusted with another job."""
+
+
 class Worker:
   """One worker process and the controller's end of its pipe."""
 
-  def __init__(self, memory_mb: int):
-    self.pid, self.conn = _fork_worker(memory_mb)
+  def __init__(self, memory_mb: int, mode: str = "auto"):
+    self.server, self.pid, self.conn = _fork_worker(memory_mb, mode)
     self.loaded: set[bytes] = set()  # reward functions this worker has unpickled
+    self._lock = threading.Lock()  # the pidfd: kill() from close() races retire() in the pool's thread
+    self._retired = False
     try:  # the worker is alive (it has not said ready), so this pid is still its own
       self.pidfd = os.pidfd_open(self.pid)
     except (AttributeError, OSError):
       self.pidfd = None
     try:
-      ready = self.conn.poll(_START_TIMEOUT_S) and self.conn.recv_bytes() == b"ready"
-    except (EOFError, OSError):
-      ready = False
-    if not ready:
+      hello = self.conn.poll(_START_TIMEOUT_S) and json.loads(self.conn.recv_bytes(1 << 16))
+    except (EOFError, OSError, ValueError):
+      hello = None
+    if not (isinstance(hello, dict) and hello.get("ready")):
       self.retire()
-      raise RuntimeError(f"grading process {self.pid} did not start")
+      why = hello.get("reason") if isinstance(hello, dict) else None
+      raise RuntimeError(why or f"grading process {self.pid} did not start")
 
-  def run(self, fn_blob: bytes, payload: bytes, timeout_s: float) -> tuple[tuple[float, dict], bool]:
-    """(result, whether this worker can take another job)."""
+  def _ask(self, fn_blob: bytes, payload: Optional[bytes], timeout_s: float) -> Optional[tuple[float, dict]]:
+    """The worker's (reward, info), or None at the deadline."""
+    end = time.monotonic() + timeout_s
     try:
+      self.conn.send_bytes(pickle.dumps((fn_blob, payload)))
+      if self.conn.poll(timeout_s):
+        self.conn.recv_bytes(16)  # the worker took the job
+    except (EOFError, OSError):
+      raise _Unsent() from None  # it died before (a kill from outside, or its fork server's death)
+    if not self.conn.poll(max(0.0, end - time.monotonic())):
+      return None
+    try:
+      return _decode(self.conn.recv_bytes(_MAX_MESSAGE + (1 << 16)))
+    except (ValueError, KeyError, TypeError, RecursionError):
+      raise _Malformed() from None
+
+  def run(self, fn_blob: bytes, payload: bytes,
+          timeout_s: float) -> tuple[Optional[tuple[float, dict]], bool]:
+    """(result, whether this worker can take another job); (None, False) when the job did not reach it."""
+    try:
+      if not self.alive():
+        raise _Unsent()
       if fn_blob not in self.loaded:
         # Unpickling a function by reference imports its module (a script importing jax takes seconds):
         # done once per worker, before the grading's own deadline starts.
-        self.conn.send_bytes(pickle.dumps((fn_blob, None)))
-        if not self.conn.poll(max(_LOAD_TIMEOUT_S, timeout_s)):
+        loaded = self._ask(fn_blob, None, max(_LOAD_TIMEOUT_S, timeout_s))
+        if loaded is None:
           return (0.0, {"reason": f"loading the reward function took over {_LOAD_TIMEOUT_S:.0f}s",
                         "timeout": True}), False
-        loaded = pickle.loads(self.conn.recv_bytes())
         if not loaded[1].get("loaded"):
           return loaded, True  # the function does not load here: its error, for every item
         self.loaded.add(fn_blob)
-      self.conn.send_bytes(pickle.dumps((fn_blob, payload)))
-      if not self.conn.poll(timeout_s):
+      result = self._ask(fn_blob, payload, timeout_s)
+      if result is None:
         return timeout(timeout_s), False
-      result = pickle.loads(self.conn.recv_bytes())
       return result, not result[1].get("memory_cap", False)
+    except _Unsent:
+      return None, False
+    except _Malformed:
+      return error("the grading process sent a malformed result"), False
     except (EOFError, OSError):
-      return error("the grading process died (killed by the OS, or a crash in native code)"), False
+      return error("the grading process died (killed, or a crash in native code)"), False
+
+  def alive(self) -> bool:
+    """Whether the worker can take a job: not retired, not dead, and its fork server not gone (a job killed
+    it: the worker's PR_SET_PDEATHSIG is on its way)."""
+    if self.server.proc.poll() is not None:
+      return False
+    with self._lock:
+      if self._retired:
+        return False
+      if self.pidfd is None:
+        return os.path.exists(f"/proc/{self.pid}")
+      return not select.select([self.pidfd], [], [], 0)[0]  # a pidfd turns readable when its process exits
+
+  def _signal(self, sig) -> bool:
+    """Sends `sig` to the worker (never to a recycled pid where a pidfd can say); False if it is gone."""
+    with self._lock:
+      try:
+        if self.pidfd is not None:
+          signal.pidfd_send_signal(self.pidfd, sig)
+        elif not self._retired:
+          os.kill(self.pid, sig)
+        else:
+          return False
+        return True
+      except OSError:
+        return False
 
   def kill(self) -> None:
-    """SIGKILL (from any thread; idempotent). The pipe is closed by the thread that uses it."""
-    fd = self.pidfd
-    try:
-      if fd is not None:  # never a recycled pid: the fork server reaps workers at once
-        signal.pidfd_send_signal(fd, signal.SIGKILL)
-      else:
-        os.kill(self.pid, signal.SIGKILL)
-    except OSError:  # gone already, or close() racing with retire() over the pidfd
+    """SIGKILLs the worker's whole tree (from any thread; idempotent). The pipe is closed by retire()."""
+    if self._signal(signal.SIGSTOP):  # stopped: it neither forks nor reaps while its tree is killed
+      kill_tree(self.pid, include_root=False)
+    self._signal(signal.SIGKILL)
+    try:  # its group: what a job left, after the worker itself died
+      os.killpg(self.pid, signal.SIGKILL)
+    except OSError:
       pass
 
   def retire(self) -> None:
-    """Kills the process and closes this end of its pipe (by the thread that uses the pipe)."""
+    """Kills the worker's tree, closes this end of its pipe, has the fork server kill what was re-parented
+    to it, and removes the job directories the killed jobs left (by the thread that uses the pipe)."""
     self.kill()
     self.conn.close()
-    if self.pidfd is not None:
-      os.close(self.pidfd)
-      self.pidfd = None
+    with self._lock:
+      fd, self.pidfd, self._retired = self.pidfd, None, True
+    if fd is not None:
+      select.select([fd], [], [], 5.0)  # dead, and its children re-parented, before the sweep
+      os.close(fd)
+    self.server.sweep()
+    sandbox.remove_stale_jobs()

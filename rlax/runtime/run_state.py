@@ -19,6 +19,7 @@ import numpy as np
 
 from rlax import config as config_lib
 from rlax.checkpoint import Checkpointer, IncompatibleCheckpointError, abstract_like, to_json
+from rlax.envs import journal
 from rlax.rollout import Rollout, empty_batch
 
 
@@ -103,6 +104,8 @@ class RunState:
     if not all_finite(state):
       raise NonFiniteError(f"refusing to checkpoint step {step}: the train state holds NaN or inf")
     self.ckpt.save(step, self._tree(state, [r.data for r in pending], ref_params), meta, force=True)
+    # No resume goes back past the oldest checkpoint kept: the tool journal's older steps are dropped.
+    journal.prune(os.path.join(self.run.workdir, journal.FILE), min(self.ckpt.all_steps(), default=0))
 
   def restore(self, state_like: Any) -> Optional[Resume]:
     """The newest readable checkpoint restored onto `state_like`'s shardings, or None when there is none."""

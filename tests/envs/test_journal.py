@@ -23,12 +23,23 @@ def test_journal_replays_a_turn_with_the_same_calls(tmp_path):
   j.put((0, 1, 2, 3, 1), ["b"], [["x", "timeout"]])
   j.close()
   with open(path, "a") as f:
-    f.write('{"key": "[0, 1, 2, 3, 2]", "calls": ["c"], "res')  # torn by a kill
+    f.write('{"key": [0, 1, 2, 3, 2], "calls": ["c"], "res')  # torn by a kill
   again = envs.ToolJournal(path)
   assert len(again) == 2
   assert again.get((0, 1, 2, 3, 0), ["a"]) == [["out", "ok"]]
   assert again.get((0, 1, 2, 3, 0), ["other"]) is None  # a different turn under the same key runs again
   assert again.get((0, 1, 2, 3, 2), ["c"]) is None and again.replayed == 1
+
+
+def test_a_bound_journal_replays_only_under_its_tool_configuration(tmp_path):
+  calc = tools.Tool.from_function(tools.calculator)
+  j = envs.ToolJournal(str(tmp_path / "j.jsonl"))
+  j.bind([calc], True, 100, 5.0).put((0, 1, 2, 3, 0), ["a"], [["7", "ok"]])
+  assert j.bind([calc], True, 100, 5.0).get((0, 1, 2, 3, 0), ["a"]) == [["7", "ok"]]
+  for other in (j.bind([calc], False, 100, 5.0), j.bind([calc], True, 50, 5.0), j.bind([calc], True, 100, 1.0),
+                j.bind([tools.Tool.from_function(journal_env.note)], True, 100, 5.0), j):
+    assert other.get((0, 1, 2, 3, 0), ["a"]) is None
+  assert j.foreign == 5 and j.replayed == 1
 
 
 def test_tool_runner_replays_journaled_calls(tmp_path, monkeypatch):
@@ -66,7 +77,7 @@ def test_sigkill_mid_episode_resumes_without_rerunning_tools_bitwise(tmp_path):
   keys = lambda lines: [tuple(json.loads(c)) for c in lines if c != "null"]  # eval's calls carry no key
   before = keys((tmp_path / "run.log").read_text().splitlines())
   with open(tmp_path / "run" / "tool_journal.jsonl") as f:
-    finished = {tuple(json.loads(json.loads(line)["key"])) for line in f}
+    finished = {tuple(json.loads(line)["key"]) for line in f if line.strip()}
   assert any(k[1] == 2 for k in finished)  # the kill came mid-batch of step 2, some of its calls journaled
   resumed = _run(tmp_path / "run", tmp_path / "run.log")
   assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -77,3 +88,6 @@ def test_sigkill_mid_episode_resumes_without_rerunning_tools_bitwise(tmp_path):
   assert set(before) | set(after) == set(keys((tmp_path / "ref.log").read_text().splitlines()))
   got, want = json.loads(resumed.stdout.splitlines()[-1]), json.loads(ref.stdout.splitlines()[-1])
   assert got["params_sha256"] == want["params_sha256"]
+  with open(tmp_path / "run" / "tool_journal.jsonl") as f:
+    steps = {json.loads(line)["key"][1] for line in f if line.strip()}
+  assert steps and min(steps) >= 1  # pruned at each checkpoint to the oldest one kept (3 of steps 0..4)

@@ -6,7 +6,7 @@ import pytest
 
 from rlax.envs import renderers
 
-from chat_tokenizers import DROPS_REASONING, chat, ids, tokenizer
+from chat_tokenizers import DROPS_REASONING, HOSTILE, PLAIN_ADDED, chat, controls, ids, tokenizer
 
 SYSTEM = [{"role": "system", "content": "You can use a calculator."}, {"role": "user", "content": "What is 23 * 47?"}]
 
@@ -50,4 +50,52 @@ def test_append_only_detection():
   with pytest.raises(ValueError, match="env.renderer='gemma'"):
     renderers.renderer("gemma", tokenizer("chatml"))
 
+
+@pytest.mark.parametrize("family,template", [("chatml", None), ("hermes", None), ("llama3", None),
+                                             ("chatml", DROPS_REASONING)])
+def test_re_rendered_prompt_equals_the_template_for_any_honest_content(family, template):
+  """Contents the template transforms (Llama's `| tojson` escapes quotes and newlines; Qwen3's drops the
+  reasoning of turns before the last query) are located one message at a time, and tokenize as before."""
+  tok = tokenizer(family, template)
+  r = renderers.renderer(family, tok)
+  for c in ['He said "hi"\n\tthere ', "  padded  ", "émoji 🎉 \\ back", "<think>a</think>b"]:
+    roles = ["tool", "user", "assistant", "tool"]
+    convo = SYSTEM + [{"role": "assistant", "content": "<think>r</think>" + c}] + [{"role": x, "content": c}
+                                                                                  for x in roles]
+    assert r.prompt(convo) == chat(tok, convo), c
+  assert r.escaped == 0
+
+
+def test_content_encodes_as_transformers_split_special_tokens():
+  """Special tokens in content are text; added tokens that are not special (Qwen's <think>) keep their ids,
+  as in transformers with split_special_tokens=True."""
+  tok = tokenizer("chatml", added=PLAIN_ADDED)
+  text = "a<think>b</think>" + HOSTILE
+  want = tok.ref(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+  assert tok.encode(text, add_special_tokens=False, special=False) == want
+  assert tok.encode(text, add_special_tokens=False) == tok.ref(text, add_special_tokens=False)["input_ids"]
+  turn = renderers.renderer("chatml", tok).env_turn(text)
+  assert tok.backend.token_to_id("<think>") in turn and controls(tok, turn) == {"<|im_start|>": 2, "<|im_end|>": 1}
+
+
+def test_a_transformers_tokenizer_renders_the_same():
+  tok = tokenizer("llama3")
+  mine, theirs = renderers.renderer("auto", tok), renderers.renderer("auto", tok.ref)
+  convo = SYSTEM + [{"role": "assistant", "content": "{}"}, {"role": "tool", "content": HOSTILE}]
+  assert theirs.prompt(convo) == mine.prompt(convo) and theirs.env_turn(HOSTILE) == mine.env_turn(HOSTILE)
+
+
+def test_a_template_writing_a_content_twice_is_escaped():
+  """A content that cannot be located exactly once: only the family's markers outside contents are control
+  tokens (counted in Renderer.escaped)."""
+  twice = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}" \
+          "<|im_start|>assistant\n{{ messages[-1].content }}"
+  tok = tokenizer("chatml", twice)
+  r = renderers.renderer("chatml", tok)
+  convo = [{"role": "user", "content": "q " + HOSTILE}]
+  got = r.prompt(convo)
+  assert r.escaped == 1 and controls(tok, got) == {"<|im_start|>": 2, "<|im_end|>": 1}
+  assert tok.decode(got, skip_special_tokens=False) == tok.apply_chat_template(convo)
+  honest = [{"role": "user", "content": "q"}]
+  assert r.prompt(honest) == chat(tok, honest)
 

@@ -84,15 +84,21 @@ def test_memory_cap_and_length_cap():
 def test_lambdas_closures_and_unpicklable_functions():
   lock = threading.Lock()
 
-  def needs_lock(c, r):  # a lock pickles neither way: graded in a thread of this process
+  def needs_lock(c, r):  # a lock pickles neither way: refused, or graded in a thread under the opt-in
     with lock:
       return 0.5, {"c": c}
 
   offset = 2.0
   with rewards.VerifierPool(num_workers=2, timeout_s=5) as pool:
-    out = pool.grade([lambda c, r: (offset + len(c), {}), needs_lock, rewards.build("math")],
-                     ["ab", "cd", r"\boxed{1}"], [_rec()] * 3)
-  assert [r for r, _ in out] == [4.0, 0.5, 1.0] and out[1][1] == {"c": "cd"}
+    out = pool.grade([lambda c, r: (offset + len(c), {}), rewards.build("math")], ["ab", r"\boxed{1}"],
+                     [_rec()] * 2)
+    assert [r for r, _ in out] == [4.0, 1.0]
+    with pytest.raises(ValueError, match=r"^reward function .*needs_lock cannot be sent to a grading process "
+                                         r"\(TypeError: cannot pickle '_thread.lock' object\).*in_process=True"):
+      pool.submit(needs_lock, ["cd"], [_rec()])
+    assert pool.grade(needs_lock, ["cd"], [_rec()], in_process=True) == [(0.5, {"c": "cd"})]
+  with rewards.VerifierPool(num_workers=1, timeout_s=5, in_process=True) as pool:
+    assert pool.grade(needs_lock, ["cd"], [_rec()]) == [(0.5, {"c": "cd"})]
 
 
 _CHILD = textwrap.dedent("""

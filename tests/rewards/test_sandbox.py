@@ -1,96 +1,122 @@
-"""The code sandbox against hostile solutions: each attack is contained and graded 0.
+"""The code sandbox: grading outside it, programs in it, limits, the isolation policy and stale job dirs.
 
-Each attack sets `ok = True` only if it succeeded, and the single test is `assert ok`, so a
-reward of 1 would mean the attack got through. Attacks run with every available isolation mode,
-and — where namespaces are available — also with the audit hook off, to check the kernel layers
-on their own.
+The hostile cases (reward hacks, escapes, lifetimes) are in tests/hostile/; these check the mechanics.
 """
 
+import ast
 import os
 
-import psutil
 import pytest
 
+from rlax.rewards import code_tests
+from rlax.rewards import jail
 from rlax.rewards import sandbox
 
-_REPO_FILE = os.path.abspath(__file__)
-_MODES = ["audit"] + (["namespaces"] if sandbox.isolation_mode() == "namespaces" else [])
-# (mode, audit hook): with namespaces also the kernel layers alone, without the Python-level hook.
-_LAYERS = [(m, True) for m in _MODES] + [(m, False) for m in _MODES if m == "namespaces"]
 _FAST = sandbox.SandboxLimits(wall_s=2.0, cpu_s=2, memory_mb=256)
 
 
-def _attacks(tmp_path):
-  outside = str(tmp_path / "pwned.txt")
-  return {
-      "read_passwd": "ok = 'root:' in open('/etc/passwd').read()",
-      "read_repo": f"ok = len(open({_REPO_FILE!r}).read()) > 0",
-      "list_dirs": (f"import os\nok = len(os.listdir('/etc')) + "
-                    f"len(os.listdir({os.path.dirname(_REPO_FILE)!r})) > 0"),
-      "write_outside": f"open({outside!r}, 'w').write('x')\nok = True",
-      "network": ("import socket\ns = socket.socket()\ns.settimeout(1)\n"
-                  "ok = s.connect_ex(('1.1.1.1', 80)) == 0"),
-      "kill_parent": f"import os\nos.kill(os.getppid(), 9)\nos.kill({os.getpid()}, 9)\nok = True",
-      "fork_bomb": ("import os, time\nn = 0\ntry:\n  while n < 500:\n    if os.fork() == 0:\n"
-                    "      time.sleep(30)\n      os._exit(0)\n    n += 1\nexcept OSError:\n  pass\n"
-                    "ok = n >= 500"),
-      "memory_bomb": "x = bytearray(4 * 1024 ** 3)\nok = True",
-      "subprocess": ("import subprocess\nok = 'root:' in subprocess.run(['cat', '/etc/passwd'], "
-                     "capture_output=True, text=True).stdout"),
-  }
-
-
-def _assert_no_leftover_children():
-  kids = psutil.Process().children(recursive=True)
-  assert not [k for k in kids if k.status() != psutil.STATUS_ZOMBIE], kids
-
-
-@pytest.mark.parametrize("mode,audit_hook", _LAYERS)
-def test_attacks_are_contained(mode, audit_hook, tmp_path):
-  for name, code in _attacks(tmp_path).items():
-    res = sandbox.run_tests(code, ["assert ok"], limits=_FAST, mode=mode, audit_hook=audit_hook)
-    assert res.passed == 0 and res.error, (name, res)
-  assert not os.path.exists(tmp_path / "pwned.txt")
-  _assert_no_leftover_children()
-  good = sandbox.run_tests("def f(x):\n  return 2 * x\n", ["assert f(2) == 4"], mode=mode,
-                           audit_hook=audit_hook)
-  assert good.all_passed and good.status == "ok"
-
-
-def test_namespace_job_runs_as_nobody_alone_in_its_pid_namespace():
-  res = sandbox.run_tests("import os\nprint(os.getuid(), os.getpid())", ["assert True"],
-                          audit_hook=False)
-  if sandbox.isolation_mode() == "namespaces":
-    assert res.all_passed and res.output.split() == ["65534", "1"]
-  else:  # the fallback keeps the caller's uid and shares the host PID space
-    assert res.all_passed and res.output.split()[0] == str(os.geteuid())
-
-
-@pytest.mark.parametrize("mode", _MODES)
-def test_hangs_floods_and_exits(mode):
-  loop = sandbox.run_tests("while True:\n  pass", ["assert True"], limits=_FAST, mode=mode)
-  assert loop.status == "timeout" and loop.passed == 0 and loop.wall_s < 5
-  sleep = sandbox.run_tests("import time\ntime.sleep(60)", ["assert True"], limits=_FAST, mode=mode)
-  assert sleep.status == "timeout"
-  flood = sandbox.run_tests("import sys\nfor _ in range(4096):\n  sys.stdout.write('x' * (1 << 20))",
-                            ["assert True"], limits=_FAST, mode=mode)
-  assert flood.status == "output_limit" and len(flood.output) <= _FAST.output_bytes
-  early = sandbox.run_tests("import os\nos._exit(0)", ["assert True"], mode=mode)
-  assert early.status == "crashed" and early.passed == 0
-  forged = sandbox.run_tests("print('\\n0' * 32 + ' 1 1 \"\"')", ["assert False"], mode=mode)
-  assert forged.status == "ok" and forged.passed == 0
-  cheat = sandbox.run_tests("import builtins\nbuiltins.exec = lambda *a: None", ["assert False"],
-                            mode=mode)
-  assert cheat.passed == 0
-  _assert_no_leftover_children()
+def test_the_jail_is_available_here():
+  assert sandbox.isolation_mode() == "jail", jail.available()
 
 
 def test_partial_results_and_errors():
-  res = sandbox.run_tests("def f(x):\n  return x + 1\nprint('hello')",
-                          ["assert f(1) == 2", "assert f(2) == 4", "assert f(3) == 4"])
+  res = code_tests.run_tests("def f(x):\n  return x + 1\nprint('hello')",
+                             ["assert f(1) == 2", "assert f(2) == 4", "assert f(3) == 4"])
   assert (res.status, res.passed, res.total) == ("ok", 2, 3)
-  assert res.output == "hello" and "test 1: AssertionError" in res.error
-  syntax = sandbox.run_tests("def f(:", ["assert True"])
+  assert res.output.strip() == "hello" and res.error.startswith("test 1: assertion failed")
+  syntax = code_tests.run_tests("def f(:", ["assert f(1) == 1"])
   assert syntax.passed == 0 and "SyntaxError" in syntax.error
+  raised = code_tests.run_tests("def f(x):\n  return 1 / x", ["assert f(0) == 1", "assert f(1) == 1"])
+  assert (raised.passed, raised.error) == (1, "test 0: ZeroDivisionError: division by zero")
   with pytest.raises(ValueError, match="code must be a string"):
-    sandbox.run_tests(None, [])
+    code_tests.run_tests(None, ["assert True"])
+  with pytest.raises(ValueError, match="not valid Python"):
+    code_tests.run_tests("x = 1", ["assert (("])
+
+
+def test_values_cross_with_their_exact_types():
+  """3 == 3.0 holds as in Python, but True is not 1 when the test asks for the type, and containers keep
+  their kind (tuple vs list; OrderedDict order)."""
+  code = ("import collections\ndef f():\n  return 3\ndef g():\n  return True\ndef h():\n  return (1, [2])\n"
+          "def o():\n  return collections.OrderedDict([('b', 1), ('a', 2)])\n")
+  tests = ["assert f() == 3.0", "assert type(g()) is bool and g() == 1", "assert h() == (1, [2])",
+           "assert h() != [1, [2]]", "assert list(o()) == ['b', 'a']", "assert type(f()) is int",
+           "assert isinstance(o(), dict)"]
+  res = code_tests.run_tests(code, tests, _FAST)
+  assert res.passed == len(tests), res
+
+
+def test_probes_carry_argument_values_never_expected_ones():
+  split = code_tests.Split(set(code_tests.SAFE_BUILTINS) | {"math"}, {"want", "case"}, [])
+  split.visit(ast.parse("sorted(f(x=case[0])) == want and math.isclose(g(), 0.5)", mode="eval"))
+  assert split.probes == [("f(x=__rlax_a0_0)", ("__rlax_a0_0",)), ("g()", ())]
+  split = code_tests.Split(set(code_tests.SAFE_BUILTINS), set(), [])
+  split.visit(ast.parse("all(f(i) == 2 * i for i in range(3))", mode="eval"))
+  assert split.probes == [("f(__rlax_a0_0)", ("__rlax_a0_0",))]  # i's value goes in; 2 * i stays here
+  with pytest.raises(ValueError, match="no top-level assert"):
+    code_tests.plan("f(2)")
+
+
+def test_statements_run_here_unless_they_need_the_solution():
+  code = ("class Solution:\n  def __init__(self):\n    self.n = 0\n  def add(self, k):\n    self.n += k\n"
+          "    return self.n\ndef sq(x):\n  return x * x\n")
+  tests = ["n = 5\nresult = sq(n)\nassert result == 25", "res = []\nfor i in range(3):\n  res.append(sq(i))\n"
+           "assert res == [0, 1, 4]", "def check(a, b):\n  return sq(a) == b\nassert check(3, 9)",
+           "s = Solution()\ns.add(2)\nassert s.add(3) == 5", "try:\n  sq('x')\nexcept TypeError:\n  ok = True\n"
+           "assert ok", "from math import *\nassert isclose(sq(sqrt(2)), 2)", "x, *rest = 3, 9\nassert sq(x) == rest[0]"]
+  res = code_tests.run_tests(code, tests, _FAST)
+  assert res.passed == len(tests), res
+
+
+def test_hangs_floods_and_exits():
+  loop = code_tests.run_tests("while True:\n  pass", ["assert True"], limits=_FAST)
+  assert loop.status == "timeout" and loop.passed == 0 and loop.wall_s < 4
+  sleep = code_tests.run_tests("def f():\n  import time\n  time.sleep(60)", ["assert f() is None"], limits=_FAST)
+  assert sleep.status == "timeout"
+  flood = code_tests.run_tests("import sys\nfor _ in range(4096):\n  sys.stdout.write('x' * (1 << 20))",
+                               ["assert True"], limits=_FAST)
+  assert flood.status == "output_limit" and len(flood.output) <= _FAST.output_bytes
+  early = code_tests.run_tests("import os\nos._exit(0)", ["assert True"], limits=_FAST)
+  assert early.status == "crashed" and early.passed == 0
+
+
+def test_run_program():
+  ok = sandbox.run_program("import sys\nprint(sum(int(x) for x in sys.stdin.read().split()))", stdin="1 2 3",
+                           limits=_FAST)
+  assert (ok.status, ok.output.strip()) == ("ok", "6")
+  err = sandbox.run_program("raise ValueError('boom')", limits=_FAST)
+  assert err.status == "error" and "ValueError: boom" in err.output
+  hang = sandbox.run_program("while True:\n  pass", limits=_FAST)
+  assert hang.status in ("timeout", "crashed") and hang.wall_s < 4
+  ids = sandbox.run_program("import os\nprint(os.getuid(), os.getpid(), sum(p.isdigit() for p in os.listdir('/proc')) < 5)",
+                            limits=_FAST)
+  uid, pid, few = ids.output.split()
+  want = jail.job_uid() if os.geteuid() == 0 else jail.NOBODY
+  assert ids.status == "ok" and int(uid) == want and int(pid) < 10 and few == "True", ids
+
+
+def test_unsafe_is_an_explicit_opt_in(monkeypatch):
+  monkeypatch.setattr(jail, "available", lambda: (False, "bwrap: cannot create a namespace"))
+  with pytest.raises(RuntimeError, match="no sandbox for untrusted code: bwrap: cannot create a namespace; .*"
+                                         "reward.sandbox=unsafe"):
+    code_tests.run_tests("def f():\n  return 1", ["assert f() == 1"])
+  sandbox.configure("unsafe")
+  try:
+    assert sandbox.isolation_mode() == "unsafe"
+    assert code_tests.run_tests("def f():\n  return 1", ["assert f() == 1"], _FAST).all_passed
+    assert sandbox.run_program("print(2 + 2)", limits=_FAST).output.strip() == "4"
+  finally:
+    sandbox.configure("auto")
+  with pytest.raises(ValueError, match="reward.sandbox='off'"):
+    sandbox.configure("off")
+
+
+def test_stale_job_directories_are_removed(tmp_path):
+  dead = tmp_path / "rlax_sbx_999999999_abc"
+  live = tmp_path / f"rlax_sbx_{os.getpid()}_abc"
+  legacy = tmp_path / "rlax_sbx_q1w2e3"
+  for d in (dead, live, legacy):
+    d.mkdir()
+    (d / "f").write_text("x")
+  assert sandbox.remove_stale_jobs(str(tmp_path)) == 2
+  assert live.exists() and not dead.exists() and not legacy.exists()
