@@ -165,7 +165,8 @@ def _result(info: dict, timeout_s: float) -> ToolResult:
   if info.get("timeout"):
     return ToolResult(f"error: the tool did not finish within {info.get('deadline_s', timeout_s):g}s", "timeout")
   if info.get("too_long"):
-    return ToolResult(f"error: the arguments are too long ({info.get('reason', '')})"[:500], "bad_arguments")
+    size = str(info.get("reason", "")).removeprefix("completion too long: ")
+    return ToolResult(f"error: the arguments are too long: {size}"[:500], "bad_arguments")
   if info.get("error"):
     reason = str(info.get("reason", "")).removeprefix("grader error: ")
     return ToolResult(f"error: {reason}"[:500], "tool_error")

@@ -17,7 +17,7 @@ be taken for a reply. Expected values and comparisons never enter this process (
 def _main():
   import builtins, os, sys, json, resource  # pylint: disable=g-import-not-at-top,multiple-imports
   read, write, loads, dumps, exit_ = os.read, os.write, json.loads, json.dumps, os._exit
-  enc, dec, refused = encode, decode, Refused  # pylint: disable=undefined-variable  # code_values, prepended
+  enc, dec, refused, mutable = encode, decode, Refused, MUTABLE  # pylint: disable=undefined-variable  # code_values
   size = b""
   while len(size) < 8:
     chunk = read(0, 8 - len(size))
@@ -45,7 +45,7 @@ def _main():
   os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # input() reads nothing rather than the requests
   pristine = dict(vars(builtins))  # probes see the builtins as they were before the solution ran
   type_, str_, len_, dict_, base_exc, sorted_ = type, str, len, dict, BaseException, sorted
-  compile_, exec_, eval_, isinstance_ = compile, exec, eval, isinstance
+  compile_, exec_, eval_, isinstance_, callable_ = compile, exec, eval, isinstance, callable
   type_name = type.__dict__["__name__"].__get__  # the C slot: a metaclass cannot fake it
   flushes = (sys.stdout.flush, sys.stderr.flush)  # bound now: the solution may replace sys.stdout
   max_bytes = job["reply_bytes"]
@@ -87,7 +87,7 @@ def _main():
       exit_(0)
     try:
       req = loads(line)
-      bind = {k: dec(v) for k, v in req["bind"].items()}
+      bind = {k: dec(v, refs=scope.__getitem__) for k, v in req["bind"].items()}
       if req["op"] == "exec":
         scope.update(bind)
         exec_(compile_(req["src"], "<test>", "exec"), scope)
@@ -102,7 +102,10 @@ def _main():
           if not req.get("store"):
             raise
           scope[req["store"]] = value
-          out = {"stored": True, "type": type_name(type_(value))}
+          out = {"stored": True, "type": type_name(type_(value)), "callable": callable_(value)}
+        changed = {k: v for k, v in bind.items() if type_(v) in mutable}  # the grader's, changed in place
+        if changed:
+          out["after"] = {k: enc(v) for k, v in changed.items()}
     except refused as e:
       out = {"error": f"refused {e}"}
     except base_exc as e:  # pylint: disable=broad-except

@@ -1,33 +1,37 @@
-"""Test statements run outside the sandbox: the solution computes values, the grader does everything else.
+"""Tests run outside the sandbox: the solution computes values, the grader does everything else.
 
 A test is Python statements (`assert f(2) == 4`; `x = f(3)` then `assert x[0] == 1`; a loop collecting
-`f(i)`; a helper `def check(a, b): return f(a) == b`). The grader runs them here, statement by statement, with
-every subexpression that needs the solution — a call of one of its functions, a name it defined, a method of
-an object it made — replaced by a *probe*: evaluated inside the sandbox (rlax.rewards.sandbox.Oracle) on
-arguments computed here and sent in as plain values, and returned as type-tagged JSON of exact builtin types
-(rlax.rewards.code_values). Comparisons, expected values, the test's variables and helpers, and the builtins
-and stdlib calls around the probes all stay here, on values the solution never held.
+`f(i)`; a helper `def check(a, b): return f(a) == b`; `s = MinStack()`, `s.push(1)`, `assert s.top() == 1`).
+The grader runs every statement here, with each subexpression that needs the solution — a call of one of its
+functions, a name it defined — replaced by a *probe*: evaluated inside the sandbox
+(rlax.rewards.sandbox.Oracle) on arguments computed here and sent in as plain values, and returned as
+type-tagged JSON of exact builtin types (rlax.rewards.code_values). Anything else the solution returns stays
+inside behind a `Ref`: it can be called, read, measured and iterated (each giving plain values), never
+compared. Comparisons, expected values, the test's variables, helpers and classes, and the builtins and
+trusted stdlib modules around the probes all stay here, on values the solution never held; a solution's own
+`abs` or `sorted` is never called by the test. Mutable arguments a call changed in place come back changed.
 
 So an object whose `__eq__` is always true, an `int` subclass, a patched builtin or module, a faked print or
-reply, an early exit, or reading the tests from files, frames or `gc` gains nothing: what enters the sandbox
-is the solution, the probed expressions and their argument values. A statement that cannot run here (a class
-definition, `with`, an import of a module outside the trusted stdlib list, an assignment into an object the
-solution made) runs inside, with the values of the test variables it names; `s = Solution()` keeps the
-object inside and later probes use it there. A test with no top-level `assert` is refused (ValueError).
+reply, an early exit, a taken-over reply loop, or reading the tests from files, frames or `gc` gains nothing:
+what enters the sandbox is the solution, the probed expressions and their argument values. Only imports of
+modules outside TRUSTED_MODULES run inside (and calls into them are refused). A test without an `assert`, and
+one that never calls the solution, fails.
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
+import collections
 import copy
 import dataclasses
 import importlib
 from typing import Optional, Sequence
 
 from rlax.rewards import code_values
+from rlax.rewards import sandbox
 
-# Names a test may use around its probes, evaluated here, unless the solution defines them at top level.
+# Names a test uses around its probes, always evaluated here (a solution's own `abs` is never the test's).
 SAFE_BUILTINS = ("abs", "all", "any", "ascii", "bin", "bool", "bytearray", "bytes", "chr", "complex", "dict",
                  "divmod", "enumerate", "filter", "float", "format", "frozenset", "hash", "hex", "int",
                  "isinstance", "iter", "len", "list", "map", "max", "min", "next", "oct", "ord", "pow", "print",
@@ -35,17 +39,10 @@ SAFE_BUILTINS = ("abs", "all", "any", "ascii", "bin", "bool", "bytearray", "byte
                  "zip", "True", "False", "None", "Exception", "ArithmeticError", "AssertionError", "ValueError",
                  "TypeError", "KeyError", "IndexError", "ZeroDivisionError", "RuntimeError", "StopIteration")
 TRUSTED_MODULES = ("math", "cmath", "collections", "itertools", "functools", "operator", "string", "re",
-                   "fractions", "decimal", "statistics", "heapq", "bisect", "random", "copy")
-# Nodes evaluated here when they hold a probe; a tainted node of any other kind becomes a probe.
-_OUTSIDE = (ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.Tuple, ast.List, ast.Set, ast.Dict,
-            ast.Subscript, ast.Slice, ast.Starred, ast.JoinedStr, ast.FormattedValue, ast.keyword)
+                   "fractions", "decimal", "statistics", "heapq", "bisect", "random", "copy", "json", "datetime",
+                   "contextlib", "typing", "dataclasses", "enum", "textwrap", "unicodedata")
 _SCOPES = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Lambda, ast.FunctionDef)
-# Statements run here (with probes); any other kind runs inside.
-_HERE = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.For, ast.While, ast.If, ast.Try, ast.Assert,
-         ast.Pass, ast.Break, ast.Continue, ast.FunctionDef, ast.Return, ast.Delete)
-PROBE, MEMBER, ARG = "__rlax_probe__", "__rlax_member__", "__rlax_a"
-# Methods of plain values: on an object the solution made they would compare inside, so they are refused.
-_PLAIN_ATTRS = frozenset(a for t in (str, bytes, int, float, complex, list, tuple, dict, set, frozenset) for a in dir(t))
+PROBE, ARG, HANDLE = "__rlax_probe__", "__rlax_a", "__rlax_h"
 
 
 ProbeError = code_values.Failed  # a probe failed inside the sandbox (refused value, crash, timeout)
@@ -76,8 +73,9 @@ def free_names(node: ast.AST) -> set[str]:
 class Split(ast.NodeTransformer):
   """Replaces the subtrees that need the solution by probe calls. `trusted`: names evaluated here that are
   no value of the test's (builtins, trusted modules); `local`: the test's own variables, which live here.
-  `probes[k]` is (source evaluated inside, names of the values sent in); one list for the whole test, so a
-  helper function defined by one statement finds its probes when a later one calls it."""
+  `probes[k]` is (source evaluated inside, names of the values sent in, whether it constructs an object: a
+  call of a capitalized name, `MinStack()`); one list for the whole test, so a helper function defined by one
+  statement finds its probes when a later one calls it."""
 
   def __init__(self, trusted: set[str], local: set[str], probes: list):
     self.trusted, self.bound, self.probes = trusted, [set(local)], probes
@@ -94,45 +92,35 @@ class Split(ast.NodeTransformer):
         return self.generic_visit(node)
       finally:
         self.bound.pop()
-    if not isinstance(node, ast.expr) or isinstance(node, _OUTSIDE + (ast.comprehension,)):
-      return self.generic_visit(node)
-    if isinstance(node, ast.Call) and not self.tainted(node.func):
-      return self.generic_visit(node)  # `sorted(f(x))`, `math.isclose(f(x), 1.0)`, `res.append(f(i))`: ours
-    target = node.func if isinstance(node, ast.Call) else node
-    if isinstance(target, ast.Attribute) and self.tainted(target.value):  # `f(x).strip()`, `s.solve(3)`
-      receiver = self.probe(target.value)
-      call = isinstance(node, ast.Call)
-      args = ast.Tuple([self.visit(a) for a in node.args] if call else [], ast.Load())
-      kw = ast.Dict([ast.Constant(k.arg) for k in node.keywords] if call else [],
-                    [self.visit(k.value) for k in node.keywords] if call else [])
-      return ast.Call(ast.Name(MEMBER, ast.Load()), [*receiver.args, ast.Constant(target.attr), ast.Constant(call),
-                                                      args, kw], [])
-    return self.probe(node)
+    if isinstance(node, ast.Name) or isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+        self.tainted(node.func):
+      return self.probe(node)  # `f(x)`, `Solution()`, a name the solution defined
+    if isinstance(node, (ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
+      return self.probe(node)
+    return self.generic_visit(node)  # operators, calls of ours, `.attr` and `[i]` of a value or Ref: here
 
   def probe(self, node) -> ast.Call:
-    """`node` evaluated inside; the untainted arguments of its calls are computed here and sent as values."""
+    """`node` evaluated inside; its call's arguments are computed here and sent as values (lambdas and
+    comprehensions, which cannot cross, stay in the source with the values of the names they use)."""
     sent: dict[str, ast.expr] = {}
 
     def hoist(arg):
       if isinstance(arg, ast.Starred):
         return ast.Starred(hoist(arg.value), ast.Load())
-      if self.tainted(arg) or isinstance(arg, ast.Lambda) or any(isinstance(n, _SCOPES) for n in ast.walk(arg)):
+      if any(isinstance(n, _SCOPES) for n in ast.walk(arg)):
         return arg
       name = f"{ARG}{len(self.probes)}_{len(sent)}"
       sent[name] = self.visit(arg)
       return ast.Name(name, ast.Load())
 
-    class Hoist(ast.NodeTransformer):
-      def visit_Call(self, call):  # pylint: disable=invalid-name
-        self.generic_visit(call)
-        call.args = [hoist(a) for a in call.args]
-        call.keywords = [ast.keyword(k.arg, hoist(k.value)) for k in call.keywords]
-        return call
-
-    inner = Hoist().visit(node)
-    for name in sorted(free_names(inner) & self.bound[-1]):
-      sent[name] = ast.Name(name, ast.Load())
-    self.probes.append((ast.unparse(inner), tuple(sent)))
+    ctor = False
+    if isinstance(node, ast.Call):
+      node = ast.Call(node.func, [hoist(a) for a in node.args], [ast.keyword(k.arg, hoist(k.value))
+                                                                 for k in node.keywords])
+      ctor = node.func.id[:1].isupper()
+    for name in sorted(free_names(node) & self.bound[-1]):
+      sent.setdefault(name, ast.Name(name, ast.Load()))
+    self.probes.append((ast.unparse(node), tuple(sent), ctor))
     return ast.Call(ast.Name(PROBE, ast.Load()), [ast.Constant(len(self.probes) - 1),
                                                   ast.Dict([ast.Constant(n) for n in sent], list(sent.values()))],
                     [])
@@ -157,14 +145,14 @@ def _imports(node) -> list[tuple[str, str, str, bool]]:
 
 
 def plan(test: str) -> ast.Module:
-  """The parsed test; ValueError when it does not parse or has no top-level assert."""
+  """The parsed test; ValueError when it does not parse or has no assert."""
   try:
     tree = ast.parse(test)
   except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
     raise ValueError(f"test {test[:80]!r} is not valid Python: {getattr(e, 'msg', e)}") from None
-  if not any(isinstance(n, ast.Assert) for n in tree.body):
-    raise ValueError(f"test {test[:80]!r} has no top-level assert statement, so it cannot be graded outside "
-                     "the sandbox; write tests as `assert <expression>` lines")
+  if not any(isinstance(n, ast.Assert) for n in ast.walk(tree)):
+    raise ValueError(f"test {test[:80]!r} has no assert statement, so it cannot fail; write tests with "
+                     "`assert <expression>`")
   return tree
 
 
@@ -192,7 +180,6 @@ class SandboxResult:
 def run_tests(code: str, tests: Sequence[str], limits=None) -> SandboxResult:
   """Grades `code` on `tests` (see the module docstring). Never raises for anything the code does; a test that
   cannot be parsed or has no assert is a ValueError before anything runs."""
-  from rlax.rewards import sandbox  # pylint: disable=g-import-not-at-top  # sandbox imports the jail
   trees = validate(tests)
   limits = limits or sandbox.SandboxLimits()
   passed, error = 0, ""
@@ -201,7 +188,7 @@ def run_tests(code: str, tests: Sequence[str], limits=None) -> SandboxResult:
       error = oracle.error
     else:
       for i, tree in enumerate(trees):
-        why = _Test(oracle, set(oracle.defined)).run(tree)
+        why = _Test(oracle).run(tree)
         passed += not why
         error = error or (f"test {i}: {why}" if why else "")
     status, output = oracle.close()
@@ -213,19 +200,23 @@ def run_tests(code: str, tests: Sequence[str], limits=None) -> SandboxResult:
 
 
 class _Test:
-  """One test's run: its variables here, its probes through the oracle."""
+  """One test's run: its statements here, its probes through the oracle, the solution's objects as Refs."""
 
-  def __init__(self, oracle, defined: set[str]):
+  def __init__(self, oracle):
     self.oracle = oracle
-    self.trusted = set(SAFE_BUILTINS) - defined  # a solution's own `max` is probed, not ours
+    self.trusted = set(SAFE_BUILTINS)  # always ours: a solution's own `abs` never sees the test's values
     self.local: set[str] = set()
     safe = {n: getattr(builtins, n) for n in SAFE_BUILTINS if hasattr(builtins, n)}
-    self.scope = {"__builtins__": safe, PROBE: self._probe, MEMBER: self._member}
+    safe["__import__"] = _trusted_import
+    safe["__build_class__"] = builtins.__build_class__  # the test's own classes (a dataclass of cases)
+    self.scope = {"__builtins__": safe, PROBE: self._probe, "__name__": "rlax_test"}
     self.probes: list = []
+    self.calls = 0
+    self.handles = 0
 
   def run(self, tree: ast.Module) -> str:
-    """'' when every statement ran and every assert held, else the first failure (never raises)."""
-    self.constructed = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    """'' when every statement ran, every assert held and the solution was called, else the first failure
+    (never raises)."""
     for node in tree.body:
       try:
         self._statement(node)
@@ -235,7 +226,7 @@ class _Test:
         return f"assertion failed: {ast.unparse(node)[:200]}"
       except Exception as e:  # pylint: disable=broad-except  # the test's own code, on plain values
         return f"{type(e).__name__}: {str(e)[:200]}"
-    return ""
+    return "" if self.calls else "the test never calls the solution"
 
   def _statement(self, node: ast.stmt):
     if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -247,89 +238,133 @@ class _Test:
         module = importlib.import_module(mod)
         self.scope[name] = getattr(module, attr) if attr else module
         self.trusted.add(name)
-      self._inside(node)  # the solution's probes may use the names too
+      why = self.oracle.exec(ast.unparse(node), {})  # the solution's probes may use the names too
+      if why:
+        raise ProbeError(why)
       return
-    stored = _stored(node) | ({node.name} if isinstance(node, ast.FunctionDef) else set())
-    if not self._here(node):
-      self._inside(node)
-      self.local -= stored
-      self.trusted -= stored
-      return
+    stored = _stored(node) | {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     self.local |= stored
     self.trusted -= stored
-    split = Split(self.trusted, self.local, self.probes)
-    if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-        and split.tainted(node.value) and not isinstance(node.value, _OUTSIDE)):
-      self._bind_or_keep(node, split)
-      return
-    new = split.visit(copy.deepcopy(node))  # the original stays as written, for messages
+    new = Split(self.trusted, self.local, self.probes).visit(copy.deepcopy(node))  # the original, for messages
     code = compile(ast.fix_missing_locations(ast.Module([new], [])), "<test>", "exec")
     exec(code, self.scope)  # pylint: disable=exec-used  # the record's own test on plain values: trusted
 
-  def _here(self, node) -> bool:
-    """Whether `node` can run here: statements of _HERE kinds, all through, whose stores go to plain names
-    or into the test's own variables (never into an object the solution made)."""
-    for n in ast.walk(node):
-      if isinstance(n, ast.stmt) and not isinstance(n, _HERE):
-        return False
-      if isinstance(n, (ast.Attribute, ast.Subscript)) and isinstance(n.ctx, (ast.Store, ast.Del)):
-        base = n
-        while isinstance(base, (ast.Attribute, ast.Subscript)):
-          base = base.value
-        if not (isinstance(base, ast.Name) and base.id in self.local | _stored(node)):
-          return False
-    return True
-
-  def _bind_or_keep(self, node: ast.Assign, split: Split) -> None:
-    """`x = <needs the solution>`: the value comes here when it is plain data, else (`s = Solution()`) it
-    stays inside under its name."""
-    name = node.targets[0].id
-    call = split.probe(copy.deepcopy(node.value))
-    sent = eval(compile(ast.fix_missing_locations(ast.Expression(call.args[1])), "<test>", "eval"),  # pylint: disable=eval-used
-                self.scope)
-    out = self.oracle.eval(self.probes[-1][0], self._encode(sent), store=name)
+  def request(self, src: str, values: dict, ctor: bool = False):
+    """`src` evaluated inside with `values` bound: a plain value, or a Ref to what stays inside. Mutable
+    arguments the evaluation changed in place are changed here too (`nums.sort()` in a solution)."""
+    self.calls += 1
+    self.handles += 1
+    handle = f"{HANDLE}{self.handles}"
+    out = self.oracle.eval(src, self._encode(values), store=handle)
+    for name, new in (out.get("after") or {}).items():
+      if name in values:
+        _update(values[name], self._decode(new))
     if out.get("stored"):
-      self.local.discard(name)
-    else:
-      self.scope[name] = self._value(out)
+      return Ref(self, handle, ctor, str(out.get("type", "")), bool(out.get("callable")))
+    if "value" not in out:
+      raise code_values.raised(out)
+    return self._decode(out["value"])
 
-  def _inside(self, node):
-    sent = {n: self.scope[n] for n in sorted(free_names(node) & self.local) if n in self.scope}
-    why = self.oracle.exec(ast.unparse(node), self._encode(sent))
-    if why:
-      raise ProbeError(why)
+  def _probe(self, k: int, values: dict):
+    src, _, ctor = self.probes[k]
+    return self.request(src, values, ctor)
 
   @staticmethod
   def _encode(values: dict) -> dict:
     try:
-      return {n: code_values.encode(v) for n, v in values.items()}
+      return {n: code_values.encode(v, refs=_handle_of) for n, v in values.items()}
     except ValueError as e:
       raise ProbeError(str(e)) from None
 
   @staticmethod
-  def _value(out: dict):
-    if "value" not in out:
-      raise code_values.raised(out)
+  def _decode(v):
     try:
-      return code_values.decode(out["value"])
+      return code_values.decode(v)
     except (ValueError, TypeError, IndexError, KeyError, OverflowError, RecursionError, MemoryError,
             ArithmeticError) as e:
       raise ProbeError(f"malformed value: {type(e).__name__}") from None
 
-  def _probe(self, k: int, values: dict):
-    return self._value(self.oracle.eval(self.probes[k][0], self._encode(values)))
 
-  def _member(self, k: int, values: dict, attr: str, call: bool, args: tuple, kwargs: dict):
-    """`<probe k>.attr(*args)`: here on a plain receiver, inside on an object the solution keeps there."""
-    out = self.oracle.eval(self.probes[k][0], self._encode(values), store="__rlax_receiver__")
-    if not out.get("stored"):
-      value = getattr(self._value(out), attr)
-      return value(*args, **kwargs) if call else value
-    cls = str(out.get("type", ""))
-    if attr.startswith("_") or attr in _PLAIN_ATTRS and not (cls[:1].isupper() and cls in self.constructed):
-      # A method named like a str/list/set one (`.startswith`, `.issubset`) on an object the test did not
-      # build from a class (`MinStack()`) is an impostor judging itself: refused.
-      raise ProbeError(f"refused .{attr} of a {cls or 'value'} that is not plain data")
-    expr = f"__rlax_receiver__.{attr}(*__rlax_args__, **__rlax_kwargs__)" if call else f"__rlax_receiver__.{attr}"
-    return self._value(self.oracle.eval(expr, self._encode({"__rlax_args__": tuple(args),
-                                                            "__rlax_kwargs__": dict(kwargs)})))
+def _update(obj, new) -> None:
+  """Copies `new` into the test's mutable `obj` in place (a solution that sorts its argument)."""
+  if type(obj) is not type(new) or type(obj) not in code_values.MUTABLE:
+    return
+  if isinstance(obj, (list, bytearray)):
+    obj[:] = new
+  else:
+    obj.clear()
+    (obj.extend if isinstance(obj, collections.deque) else obj.update)(new)
+
+
+def _trusted_import(name, globals=None, locals=None, fromlist=(), level=0):  # pylint: disable=redefined-builtin
+  """The test's `import` here: trusted stdlib modules only (others live inside, imported there)."""
+  if level or name.split(".")[0] not in TRUSTED_MODULES:
+    raise ImportError(f"the test cannot import {name} outside the sandbox")
+  return importlib.__import__(name, globals, locals, fromlist, level)
+
+
+def _handle_of(x) -> Optional[str]:
+  return object.__getattribute__(x, "_handle") if type(x) is Ref else None
+
+
+class Ref:
+  """An object the solution made, which stays inside: calling it, reading its attributes and items, `len`,
+  `str` and iteration run inside and give plain values (or more Refs). It never takes part in a comparison,
+  a hash or a truth test here. Methods are called only on objects the test built itself from a class
+  (`s = MinStack()`; `ctor`): a method of anything else (`f(2).startswith('a')` on an impostor of a str) would
+  let the solution's object judge the test's value, and is refused."""
+  __slots__ = ("_test", "_handle", "_ctor", "_type", "_callable")
+
+  def __init__(self, test: _Test, handle: str, ctor: bool, type_name: str, is_callable: bool):
+    for k, v in (("_test", test), ("_handle", handle), ("_ctor", ctor), ("_type", type_name),
+                 ("_callable", is_callable)):
+      object.__setattr__(self, k, v)
+
+  def _ask(self, src: str, values: dict, ctor: bool = False):
+    return object.__getattribute__(self, "_test").request(src, values, ctor)
+
+  def _h(self) -> str:
+    return object.__getattribute__(self, "_handle")
+
+  def __getattr__(self, attr: str):
+    if attr.startswith("__"):
+      raise ProbeError(f"refused .{attr} of a solution's {object.__getattribute__(self, '_type')}")
+    value = self._ask(f"{self._h()}.{attr}", {})
+    get = object.__getattribute__
+    if type(value) is Ref and get(value, "_callable") and not get(self, "_ctor"):
+      raise ProbeError(f"refused .{attr}() of a {object.__getattribute__(self, '_type')} the test did not build "
+                       "(a method of it would judge the test's values inside)")
+    return value
+
+  def __setattr__(self, attr: str, value):
+    self._ask(f"setattr({self._h()}, {attr!r}, __rlax_v)", {"__rlax_v": value})
+
+  def __call__(self, *args, **kwargs):
+    values = {f"__rlax_p{i}": a for i, a in enumerate(args)}
+    values.update({f"__rlax_k{i}": v for i, v in enumerate(kwargs.values())})
+    names = [f"__rlax_p{i}" for i in range(len(args))] + [f"{k}=__rlax_k{i}" for i, k in enumerate(kwargs)]
+    return self._ask(f"{self._h()}({', '.join(names)})", values)
+
+  def __getitem__(self, key):
+    return self._ask(f"{self._h()}[__rlax_k]", {"__rlax_k": key})
+
+  def __setitem__(self, key, value):
+    self._ask(f"{self._h()}.__setitem__(__rlax_k, __rlax_v)", {"__rlax_k": key, "__rlax_v": value})
+
+  def __len__(self):
+    return self._ask(f"len({self._h()})", {})
+
+  def __iter__(self):
+    return iter(self._ask(f"list({self._h()})", {}))
+
+  def __str__(self):
+    return self._ask(f"str({self._h()})", {})
+
+  def __repr__(self):
+    return f"<the solution's {object.__getattribute__(self, '_type')}>"
+
+  def _refuse(self, *_):
+    raise ProbeError(f"a solution's {object.__getattribute__(self, '_type')} cannot be compared, hashed or "
+                     "tested for truth (only plain values are)")
+
+  __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __hash__ = __bool__ = __contains__ = _refuse

@@ -13,17 +13,24 @@ small as JSON cannot cost the grader more than linear time.
 import collections
 import decimal
 import fractions
+import types
 
 MAX_DEPTH = 64
 MAX_ITEMS = 200000
 _FACTORIES = {"int": int, "float": float, "str": str, "list": list, "dict": dict, "set": set, "tuple": tuple,
               "bool": bool, "None": None}
+# Exceptions a solution raised that a test may catch by type (`except ValueError`). Not StopIteration: inside
+# the test's `map` or generator it would end the iteration early, silently.
 _RAISABLE = ("ArithmeticError", "AssertionError", "AttributeError", "EOFError", "Exception", "IndexError",
              "KeyError", "LookupError", "NotImplementedError", "OverflowError", "RecursionError",
-             "RuntimeError", "StopIteration", "TypeError", "ValueError", "ZeroDivisionError")
+             "RuntimeError", "TypeError", "ValueError", "ZeroDivisionError")
 _SEQ = {list: "l", tuple: "t", set: "S", frozenset: "F", collections.deque: "q"}
 _MAP = {dict: "d", collections.OrderedDict: "o", collections.Counter: "C", collections.defaultdict: "D"}
 _SEQ_TYPES = {v: k for k, v in _SEQ.items()}
+# Iterators a solution may return (a generator, `map(...)`): drained inside into a list, an iterator here.
+_ITERATORS = frozenset((types.GeneratorType, map, filter, zip, enumerate, reversed, type(iter([])),
+                        type(iter(())), type(iter(range(0))), type(iter("")), type(iter({})), type(iter(set()))))
+MUTABLE = (list, dict, set, bytearray, collections.deque)  # arguments a call may change in place
 _od_items, _dict_items, _type, _len = collections.OrderedDict.items, dict.items, type, len
 
 
@@ -31,10 +38,14 @@ class Refused(ValueError):
   """A value that is not plain data (or too big, or too deep) to cross."""
 
 
-def encode(x, depth: int = 0, budget=None) -> list:
+def encode(x, depth: int = 0, budget=None, refs=None) -> list:
   """`x` as type-tagged JSON; Refused for a type outside the list, a value deeper than MAX_DEPTH or with
-  more than MAX_ITEMS items."""
+  more than MAX_ITEMS items. refs(x): the handle of an object that lives inside (the grader's Refs), or None."""
   budget = budget if budget is not None else [MAX_ITEMS]
+  if refs is not None:
+    handle = refs(x)
+    if handle is not None:
+      return ["R", handle]
   budget[0] -= 1
   if depth > MAX_DEPTH or budget[0] < 0:
     raise Refused(f"a value deeper than {MAX_DEPTH} or with more than {MAX_ITEMS} items")
@@ -58,9 +69,17 @@ def encode(x, depth: int = 0, budget=None) -> list:
   if t is decimal.Decimal:
     return ["M", str(x)]
   if t in _SEQ:
-    return [_SEQ[t], [encode(v, depth + 1, budget) for v in list(x)]]
+    return [_SEQ[t], [encode(v, depth + 1, budget, refs) for v in list(x)]]
+  if t in _ITERATORS:
+    items = []
+    for v in x:
+      budget[0] -= 1
+      if budget[0] < 0:
+        raise Refused(f"an iterator of more than {MAX_ITEMS} items")
+      items.append(encode(v, depth + 1, budget, refs))
+    return ["I", items]
   if t in _MAP:
-    pairs = [[encode(k, depth + 1, budget), encode(v, depth + 1, budget)]
+    pairs = [[encode(k, depth + 1, budget, refs), encode(v, depth + 1, budget, refs)]
              for k, v in (_od_items(x) if t is collections.OrderedDict else _dict_items(x))]
     if t is not collections.defaultdict:
       return [_MAP[t], pairs]
@@ -68,11 +87,18 @@ def encode(x, depth: int = 0, budget=None) -> list:
     if factory is None:
       raise Refused("a defaultdict whose default_factory is not a builtin type")
     return ["D", pairs, factory]
+  if tuple in t.__mro__:  # a namedtuple: its items, read through tuple's own slot, compare as a tuple
+    try:
+      return ["t", [encode(v, depth + 1, budget, refs) for v in tuple.__getitem__(x, slice(None))]]
+    except TypeError:
+      pass
   raise Refused(f"a value of type {t.__name__} (only builtin types are compared)")
 
 
-def decode(v, depth: int = 0, budget=None):
-  """The value of type-tagged JSON `v`; ValueError (or TypeError, IndexError) when malformed."""
+def decode(v, depth: int = 0, budget=None, refs=None):
+  """The value of type-tagged JSON `v`; ValueError (or TypeError, IndexError) when malformed. Bounded so the
+  grader's work on it stays linear: range lengths, Decimal exponents and Fraction sizes are capped, and
+  containers of many colliding hashes are refused. refs(handle): the object a ["R", handle] stands for."""
   budget = budget if budget is not None else [MAX_ITEMS]
   budget[0] -= 1
   if depth > MAX_DEPTH or budget[0] < 0 or _type(v) is not list or not v:
@@ -91,19 +117,23 @@ def decode(v, depth: int = 0, budget=None):
     return v[1]
   if tag in ("y", "Y"):
     return (bytes if tag == "y" else bytearray).fromhex(v[1])
-  if tag == "r" and all(_type(a) is int for a in v[1:4]):
+  if tag == "r" and all(_type(a) is int for a in v[1:4]) and _len(range(v[1], v[2], v[3])) <= MAX_ITEMS:
     return range(v[1], v[2], v[3])
-  if tag == "Q":
+  if tag == "Q" and _len(v[1]) < 2500 and _len(v[2]) < 2500:
     return fractions.Fraction(int(v[1], 16), int(v[2], 16))
   if tag == "M" and _type(v[1]) is str and _len(v[1]) < 5000:
-    return decimal.Decimal(v[1])
-  if tag in _SEQ_TYPES:
-    items = [decode(x, depth + 1, budget) for x in v[1]]
-    if tag in ("S", "F"):
-      _spread(items)
-    return _SEQ_TYPES[tag](items)
+    d = decimal.Decimal(v[1])
+    if d.is_finite() and abs(d.adjusted()) > 10000:
+      raise ValueError("a Decimal of more than 10000 digits")
+    return d
+  if tag == "R" and refs is not None and _type(v[1]) is str:
+    return refs(v[1])
+  if tag in _SEQ_TYPES or tag == "I":
+    items = [decode(x, depth + 1, budget, refs) for x in v[1]]
+    _spread(items)
+    return iter(items) if tag == "I" else _SEQ_TYPES[tag](items)
   if tag in ("d", "o", "C", "D"):
-    pairs = [(decode(k, depth + 1, budget), decode(x, depth + 1, budget)) for k, x in v[1]]
+    pairs = [(decode(k, depth + 1, budget, refs), decode(x, depth + 1, budget, refs)) for k, x in v[1]]
     _spread([k for k, _ in pairs])
     if tag == "D":
       return collections.defaultdict(_FACTORIES[v[2]], pairs)
@@ -112,9 +142,16 @@ def decode(v, depth: int = 0, budget=None):
 
 
 def _spread(keys: list) -> None:
-  """Refuses keys whose hashes collide en masse (a set of k * (2**61 - 1) costs quadratic time to build)."""
-  if _len(keys) > 64 and _len({hash(k) for k in keys}) * 2 < _len(keys):
-    raise ValueError("keys with colliding hashes")
+  """Refuses many items whose hashes collide (a set of k * (2**61 - 1) costs quadratic time to build, here
+  or in the test's `set(f(x))`); unhashable items are left alone."""
+  if _len(keys) <= 64:
+    return
+  try:
+    distinct = _len({hash(k) for k in keys})
+  except TypeError:
+    return
+  if distinct * 2 < _len(keys):
+    raise ValueError("items with colliding hashes")
 
 
 def raised(reply: dict) -> Exception:

@@ -16,13 +16,13 @@ pools, that imported `rlax.rewards` once), so a replacement starts in millisecon
 controller itself, which runs JAX's threads, never forks. (multiprocessing's fork server is not
 used: it re-imports the controller's `__main__` in every worker.) Nothing outlives a job or the pools:
 each worker runs in a session of its own and kills whatever its job left after every job (so a grader
-cannot keep a helper process from one job to the next), a deadline, retirement or `close()` kills a
-worker's whole process tree, and a grading that may run the code sandbox gets the sandbox's wall clock plus
-`job_margin_s` (`processes.grading_deadline`). The fork server exits
-when its control socket closes (the last pool closed, or the controller died), killing its tree; each
-worker has PR_SET_PDEATHSIG. `close()` ends unfinished jobs with reward 0 at once. Each worker configures
-the code sandbox with the pool's `sandbox` mode. Results come back as JSON; a non-JSON info value becomes
-its repr.
+cannot keep a helper process from one job to the next); a deadline, retirement or `close()` kills a
+worker's whole process tree; a grading that may run the code sandbox gets the sandbox's wall clock plus
+`job_margin_s` (`processes.grading_deadline`); a job whose worker died before taking it goes to a fresh
+one. The fork server exits when its control socket closes (the last pool closed, or the controller died),
+killing its tree; each worker has PR_SET_PDEATHSIG. `close()` ends unfinished jobs with reward 0 at once.
+Each worker configures the code sandbox with the pool's `sandbox` mode. Results come back as JSON; an info
+value JSON has no type for becomes its repr.
 
 Reward functions travel by pickle: by reference when importable (the built-in rewards,
 `functools.partial`s of them, module-level functions), else by value with cloudpickle (lambdas,
@@ -189,7 +189,7 @@ class VerifierPool:
     except Exception as e:  # pylint: disable=broad-except
       self._finish(job, processes.error(f"record cannot be sent to a grading process: {e}"))
       return worker
-    for _ in range(2):  # a worker found dead before the job reached it is replaced, once
+    for _ in range(2):  # a worker that died before it took the job is replaced, once
       if worker is None:  # a previous start failed: try again for every job rather than hang
         worker = None if self._closed else self._start(k)
         if worker is None:

@@ -9,8 +9,10 @@ retirement or `close()` the controller kills the worker's whole tree. What a wor
 leaves is re-parented to the fork server (a subreaper too), which kills every child of its own that is not a
 live worker when the controller asks (`sweep`, after each worker it retires) and everything when it exits.
 
-Results cross as JSON data (a hostile grader cannot make the controller unpickle anything); requests,
-controller to worker, are pickles.
+A worker acknowledges each job it takes: a job whose worker died before that (killed while idle, or with its
+fork server) goes to a fresh worker, so a grading scores 0 for a death only when its own run died. Results
+cross as JSON data (a hostile grader cannot make the controller unpickle anything); requests, controller to
+worker, are pickles.
 """
 
 from __future__ import annotations
@@ -188,14 +190,23 @@ def _repr(v) -> str:
 
 
 def _plain(v, depth: int = 0):
-  """`v` as JSON data: plain values and containers of them kept, anything else its repr."""
-  t = type(v)
-  if v is None or t in (bool, str, float) or (t is int and v.bit_length() < 10000):
-    return v
-  if depth < 16 and t in (list, tuple):
-    return [_plain(x, depth + 1) for x in v]
-  if depth < 16 and t is dict:
-    return {k if type(k) is str else _repr(k): _plain(x, depth + 1) for k, x in v.items()}
+  """`v` as JSON data: plain values (subclasses and numpy scalars as their base type), and dicts, lists and
+  tuples of them, kept; anything else (a set, an object, a value nested too deep) its repr."""
+  try:
+    if v is None:
+      return None
+    if getattr(v, "shape", None) == () and hasattr(v, "item"):  # a numpy scalar
+      v = v.item()
+    base = next((b for b in (bool, int, float, str) if isinstance(v, b)), None)
+    if base is not None:
+      v = v if type(v) is base else base(v)
+      return v if base is not int or v.bit_length() < 10000 else f"<int of {v.bit_length()} bits>"
+    if depth < 16 and isinstance(v, (list, tuple)):
+      return [_plain(x, depth + 1) for x in v]
+    if depth < 16 and isinstance(v, dict):
+      return {k if type(k) is str else _repr(k): _plain(x, depth + 1) for k, x in v.items()}
+  except Exception:  # pylint: disable=broad-except
+    pass
   return _repr(v)
 
 
@@ -290,35 +301,37 @@ def serve_forks(ctl_fd: int) -> None:
     math_rewards.math_reward(r"\boxed{\frac{1}{2}}", Record(id="warm-up", prompt="", answer="0.5"))
   except Exception:  # pylint: disable=broad-except
     pass
-  signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the controller decides
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # a stray Ctrl-C is the controller's to act on
   signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps dead workers (and adopted orphans)
   workers: dict[int, Optional[int]] = {}  # pid -> start time of each worker forked here
-  while True:
-    try:
-      msg, fds, _, _ = socket.recv_fds(ctl, 64, 1)
-    except OSError:  # reset: the controller died
-      msg = b""
-    if not msg:
-      kill_tree(os.getpid(), include_root=False)
-      os._exit(0)
-    if msg[:1] == b"s":
-      ctl.sendall(_sweep(workers).to_bytes(8, "little"))
-      continue
-    me, pid = os.getpid(), os.fork()
-    if pid == 0:
-      ctl.close()
-      _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))  # the worker dies with this server
-      if os.getppid() != me:  # which died before that was set
-        os._exit(0)
-      os.setsid()  # its own session and group: nothing a job signals reaches the controller's group
-      signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the code sandbox waits for its children
+  try:
+    while True:
       try:
-        _worker_main(connection.Connection(fds[0]), int.from_bytes(msg[1:9], "little"), msg[9:].decode())
-      finally:
-        os._exit(0)
-    os.close(fds[0])
-    workers[pid] = (_stat(pid) or (0, "", None))[2]
-    ctl.sendall(pid.to_bytes(8, "little"))
+        msg, fds, _, _ = socket.recv_fds(ctl, 64, 1)
+      except OSError:  # reset: the controller died
+        return
+      if not msg:
+        return
+      if msg[:1] == b"s":
+        ctl.sendall(_sweep(workers).to_bytes(8, "little"))
+        continue
+      me, pid = os.getpid(), os.fork()
+      if pid == 0:
+        try:
+          ctl.close()
+          _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))  # the worker dies with this server
+          if os.getppid() == me:  # which did not die before that was set
+            os.setsid()  # its own session and group: nothing a job signals reaches the controller's group
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the code sandbox waits for its children
+            _worker_main(connection.Connection(fds[0]), int.from_bytes(msg[1:9], "little"), msg[9:].decode())
+        finally:
+          os._exit(0)
+      os.close(fds[0])
+      workers[pid] = (_stat(pid) or (0, "", None))[2]
+      ctl.sendall(pid.to_bytes(8, "little"))
+  finally:  # nothing forked here outlives the server
+    kill_tree(os.getpid(), include_root=False)
+    os._exit(0)
 
 
 class _ForkServer:

@@ -8,6 +8,8 @@ import subprocess
 import threading
 import time
 
+import numpy as np
+
 
 def ok(completion, record):
   """The honest grader the pool must still run right after each hostile one."""
@@ -98,7 +100,7 @@ class _Odd:
 
 def odd_info(completion, record):
   return 0.5, {"set": {1}, "bytes": b"\x00", "obj": object(), "odd": _Odd(), 3: "int key", "nested": [(1, 2.5)],
-               "big": 10 ** 5000}
+               "big": 10 ** 5000, "np": np.float64(0.25)}
 
 
 def bad_reward(completion, record):

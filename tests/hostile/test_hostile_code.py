@@ -156,5 +156,5 @@ def test_escapes_are_contained(name, clean_host):
 
 def test_tests_without_assert_are_refused():
   rec = Record(id="r", prompt="p", tests=("f(2)",), task="code")
-  with pytest.raises(ValueError, match="no top-level assert"):
+  with pytest.raises(ValueError, match="no assert statement"):
     rewards.code_reward("def f(x):\n  return x", rec, limits=_LIMITS)

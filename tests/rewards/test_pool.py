@@ -5,9 +5,12 @@ Hostile completions (math bombs, signals, memory) are in test_pool_hostile.py.""
 import threading
 import time
 
+import pytest
+
 from rlax import rewards
 from rlax.data import synthetic
 from rlax.data.records import Record
+from rlax.rewards import sandbox
 
 
 def _arith(i):
@@ -87,3 +90,17 @@ def test_batches_from_several_threads():
     for t in threads:
       t.join()
   assert all(len(v) == 100 and all(r == 1.0 for r, _ in v) for v in results.values())
+
+
+def _isolation(completion, record):
+  return 1.0, {"mode": sandbox.isolation_mode()}
+
+
+def test_the_sandbox_mode_reaches_every_worker():
+  with pytest.raises(ValueError, match="sandbox='none'"):
+    rewards.VerifierPool(num_workers=1, sandbox="none")
+  with rewards.VerifierPool(num_workers=2, sandbox="unsafe") as pool:
+    assert [info["mode"] for _, info in pool.grade(_isolation, ["x"] * 4, [None] * 4)] == ["unsafe"] * 4
+  with rewards.VerifierPool(num_workers=1) as pool:  # "auto": the jail, or a refusal in one line
+    (_, info), = pool.grade(_isolation, ["x"], [None])
+    assert info.get("mode") == "jail" or "reward.sandbox=unsafe" in info["reason"]

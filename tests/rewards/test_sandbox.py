@@ -49,21 +49,26 @@ def test_values_cross_with_their_exact_types():
 def test_probes_carry_argument_values_never_expected_ones():
   split = code_tests.Split(set(code_tests.SAFE_BUILTINS) | {"math"}, {"want", "case"}, [])
   split.visit(ast.parse("sorted(f(x=case[0])) == want and math.isclose(g(), 0.5)", mode="eval"))
-  assert split.probes == [("f(x=__rlax_a0_0)", ("__rlax_a0_0",)), ("g()", ())]
+  assert split.probes == [("f(x=__rlax_a0_0)", ("__rlax_a0_0",), False), ("g()", (), False)]
   split = code_tests.Split(set(code_tests.SAFE_BUILTINS), set(), [])
   split.visit(ast.parse("all(f(i) == 2 * i for i in range(3))", mode="eval"))
-  assert split.probes == [("f(__rlax_a0_0)", ("__rlax_a0_0",))]  # i's value goes in; 2 * i stays here
-  with pytest.raises(ValueError, match="no top-level assert"):
+  assert split.probes == [("f(__rlax_a0_0)", ("__rlax_a0_0",), False)]  # i's value goes in; 2 * i stays here
+  with pytest.raises(ValueError, match="no assert statement"):
     code_tests.plan("f(2)")
 
 
 def test_statements_run_here_unless_they_need_the_solution():
   code = ("class Solution:\n  def __init__(self):\n    self.n = 0\n  def add(self, k):\n    self.n += k\n"
-          "    return self.n\ndef sq(x):\n  return x * x\n")
+          "    return self.n\ndef sq(x):\n  return x * x\ndef sort_in_place(xs):\n  xs.sort()\n"
+          "def gen(n):\n  yield from range(n)\nclass Node:\n  def __init__(self, v, left=None):\n"
+          "    self.val, self.left, self.kids = v, left, [1, 2]\ndef tree():\n  return Node(0, Node(1))\n")
   tests = ["n = 5\nresult = sq(n)\nassert result == 25", "res = []\nfor i in range(3):\n  res.append(sq(i))\n"
            "assert res == [0, 1, 4]", "def check(a, b):\n  return sq(a) == b\nassert check(3, 9)",
            "s = Solution()\ns.add(2)\nassert s.add(3) == 5", "try:\n  sq('x')\nexcept TypeError:\n  ok = True\n"
-           "assert ok", "from math import *\nassert isclose(sq(sqrt(2)), 2)", "x, *rest = 3, 9\nassert sq(x) == rest[0]"]
+           "assert ok", "from math import *\nassert isclose(sq(sqrt(2)), 2)", "x, *rest = 3, 9\nassert sq(x) == rest[0]",
+           "nums = [3, 1, 2]\nsort_in_place(nums)\nassert nums == [1, 2, 3]", "g = gen(3)\nassert next(g) == 0 and "
+           "list(g) == [1, 2]", "def check(candidate):\n  assert candidate(4) == 16\ncheck(sq)\nassert True",
+           "root = tree()\nassert root.left.val == 1 and len(root.kids) == 2", "assert isinstance(sq(2), int) and type(sq(2.0)) is float"]
   res = code_tests.run_tests(code, tests, _FAST)
   assert res.passed == len(tests), res
 
