@@ -78,8 +78,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # answer: where the final answer is found ("auto", "boxed", "last_number", "answer_tag");
   # format_weight: reward for stating it in that format. Each grading runs in a process under a deadline
   # (timeout_s), an address-space cap (memory_mb) and a size limit (max_chars: longer completions score 0).
+  # sandbox: "auto" runs policy-written code in the jail (bubblewrap + seccomp) and refuses without one;
+  # "unsafe" is the explicit opt-in to run it with resource limits only (README: Security).
   c.reward = ml_collections.ConfigDict(dict(name="arithmetic", answer="auto", format_weight=0.0, workers=4,
-                                            timeout_s=5.0, memory_mb=4096, max_chars=1 << 20))
+                                            timeout_s=5.0, memory_mb=4096, max_chars=1 << 20, sandbox="auto"))
   # Multi-turn episodes (rlax.envs): name "" = one-shot rollouts; "calculator", "retry", "single_turn" or
   # "module:Class".
   c.env = ml_collections.ConfigDict(dict(name="", renderer="auto", max_turns=4, max_tool_calls=4, turn_tokens=0,

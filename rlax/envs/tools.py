@@ -30,7 +30,7 @@ from typing import Callable, Optional, Sequence
 from absl import logging
 
 from rlax.envs.renderers import ToolCall
-from rlax.rewards import processes
+from rlax.rewards import pool, processes
 from rlax.rewards import sandbox
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
@@ -91,7 +91,7 @@ class _Invoke:
 
   def __init__(self, fn: Callable, limit: int):
     self.fn, self.limit = fn, limit
-    self.sandbox_wall_s = processes.sandbox_wall_s(fn)  # the pool's deadline covers it
+    self.sandbox_wall_s = pool.sandbox_wall_s(fn)  # the pool's deadline covers it
 
   def __call__(self, arguments: str, record) -> tuple[float, dict]:
     out = str(self.fn(**json.loads(arguments)))
@@ -107,7 +107,8 @@ class ToolRunner:
   def __init__(self, pool, tools: Sequence[Tool], *, timeout_s: float = 5.0, output_chars: int = 1000,
                available: bool = True, journal=None, in_process: bool = False):
     self.pool, self.timeout_s, self.output_chars, self.available = pool, timeout_s, output_chars, available
-    self.journal, self.in_process = journal, in_process
+    self.journal = journal if journal is None else journal.bind(tools, available, output_chars, timeout_s)
+    self.in_process = in_process
     self.tools = {t.name: t for t in tools}
     self._invoke = {t.name: _Invoke(t.fn, output_chars) for t in tools}
     for name, invoke in self._invoke.items():
@@ -123,7 +124,7 @@ class ToolRunner:
   def _check(self, call: ToolCall) -> Optional[ToolResult]:
     tool = self.tools.get(call.name)
     if tool is None:
-      return ToolResult(f"error: unknown tool {call.name!r}; tools: {', '.join(self.tools)}", "unknown_tool")
+      return ToolResult(f"error: unknown tool {call.name[:64]!r}; tools: {', '.join(self.tools)}", "unknown_tool")
     bad = tool.check(call.arguments) if isinstance(call.arguments, dict) else "the arguments must be an object"
     return ToolResult(f"error: {bad}", "bad_arguments") if bad else None
 

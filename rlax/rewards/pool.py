@@ -18,7 +18,7 @@ used: it re-imports the controller's `__main__` in every worker.) Nothing outliv
 each worker runs in a session of its own and kills whatever its job left after every job (so a grader
 cannot keep a helper process from one job to the next); a deadline, retirement or `close()` kills a
 worker's whole process tree; a grading that may run the code sandbox gets the sandbox's wall clock plus
-`job_margin_s` (`processes.grading_deadline`); a job whose worker died before taking it goes to a fresh
+`job_margin_s` (`grading_deadline`); a job whose worker died before taking it goes to a fresh
 one. The fork server exits when its control socket closes (the last pool closed, or the controller died),
 killing its tree; each worker has PR_SET_PDEATHSIG. `close()` ends unfinished jobs with reward 0 at once.
 Each worker configures the code sandbox with the pool's `sandbox` mode. Results come back as JSON; an info
@@ -34,16 +34,53 @@ thread of this process, where its timeout gives reward 0 but cannot stop it, and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import threading
+import types
 from typing import Any, Callable, Optional, Sequence
 
 from absl import logging
 
+from rlax.rewards import code
 from rlax.rewards import processes
+from rlax.rewards import registry
 from rlax.rewards import sandbox as sandbox_lib
 
 RewardFn = Callable[[str, Any], tuple[float, dict]]
+
+
+JOB_MARGIN_S = 2.0  # a sandbox's start, kill and clean-up around its wall clock (`grading_deadline`)
+_EMPTY_CELL = types.CellType()  # compares equal to an empty closure cell only (reading one raises)
+
+
+def grading_deadline(timeout_s: float, sandbox_wall_s: float, margin_s: float = JOB_MARGIN_S) -> float:
+  """A job's deadline: `timeout_s`, raised to the sandbox's wall clock plus `margin_s` for a job that runs the
+  code sandbox, so that the sandbox ends (and cleans up) its own job before the pool kills the worker.
+  The one place this rule lives; VerifierPool.submit applies it to every grading and tool call."""
+  return max(timeout_s, sandbox_wall_s + margin_s) if sandbox_wall_s > 0 else timeout_s
+
+
+def sandbox_wall_s(fn, depth: int = 0) -> float:
+  """The longest sandbox wall clock one call of `fn` may run into (0: none known): what `fn.sandbox_wall_s`
+  declares (the `python` tool; any function may), the `SandboxLimits` a partial or closure holds
+  (`make_code_reward`), the default limits' for the built-in code and auto rewards, else the most over the
+  functions a partial or closure wraps (combined rewards, format bonuses)."""
+  declared = getattr(fn, "sandbox_wall_s", None)
+  if isinstance(declared, (int, float)):
+    return float(declared)
+  if fn is code.code_reward or fn is registry.auto_reward:
+    return sandbox_lib.SandboxLimits().wall_s
+  if isinstance(fn, functools.partial):
+    parts = [fn.func, *fn.args, *fn.keywords.values()]
+  else:
+    parts = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if c != _EMPTY_CELL]
+  parts += [v for p in parts if isinstance(p, dict) for v in p.values()]
+  limits = [p.wall_s for p in parts if isinstance(p, sandbox_lib.SandboxLimits)]
+  if limits or depth >= 4:
+    return max(limits, default=0.0)
+  return max((sandbox_wall_s(p, depth + 1) for p in parts if callable(p)), default=0.0)
+
 
 
 @dataclasses.dataclass
@@ -52,7 +89,7 @@ class _Job:
   blob: Optional[bytes]  # the pickled fn; None: graded in a thread (in_process)
   completion: str
   record: Any
-  timeout_s: float  # the deadline (processes.grading_deadline)
+  timeout_s: float  # the deadline (grading_deadline)
   quiet: bool = False  # no warning on failure: the caller counts outcomes (tool calls)
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
   result: Optional[tuple[float, dict]] = None
@@ -90,12 +127,12 @@ class VerifierPool:
   """
 
   def __init__(self, num_workers: int = 8, timeout_s: float = 30.0, memory_mb: int = 4096,
-               max_chars: int = 1 << 20, sandbox: str = "auto", job_margin_s: float = processes.JOB_MARGIN_S,
+               max_chars: int = 1 << 20, sandbox: str = "auto", job_margin_s: float = JOB_MARGIN_S,
                in_process: bool = False):
     if num_workers <= 0 or timeout_s <= 0 or memory_mb <= 0 or max_chars <= 0 or job_margin_s < 0:
       raise ValueError("num_workers, timeout_s, memory_mb and max_chars must be positive and job_margin_s >= 0, "
                        f"got {num_workers}, {timeout_s}, {memory_mb}, {max_chars}, {job_margin_s}")
-    if sandbox not in processes.SANDBOX_MODES:
+    if sandbox not in sandbox_lib.MODES:
       raise ValueError(f"sandbox={sandbox!r}: use 'auto' (the jail) or 'unsafe' (no isolation, explicit)")
     self.timeout_s, self.memory_mb, self.max_chars = timeout_s, memory_mb, max_chars
     self.sandbox, self.job_margin_s, self.in_process = sandbox, job_margin_s, in_process
@@ -144,7 +181,7 @@ class VerifierPool:
         blob, why = processes.dumps(fn), ""
       except Exception as e:  # pylint: disable=broad-except
         blob, why = None, f"{type(e).__name__}: {e}".splitlines()[0][:300]
-      hit = (fn, blob, processes.sandbox_wall_s(fn), why)
+      hit = (fn, blob, sandbox_wall_s(fn), why)
       with self._lock:
         if len(self._fns) >= 256:  # new closures every batch must not grow this without bound
           self._fns.clear()
@@ -257,7 +294,7 @@ class VerifierPool:
     jobs = []
     for f, c, r in zip(fns, completions, records):
       blob, wall = self._prepare(f, in_process)
-      deadline = processes.grading_deadline(timeout_s or self.timeout_s, wall, self.job_margin_s)
+      deadline = grading_deadline(timeout_s or self.timeout_s, wall, self.job_margin_s)
       jobs.append(_Job(f, blob, c, r, deadline, quiet))
     for j in jobs:
       self._queue.put(j)

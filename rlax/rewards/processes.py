@@ -18,8 +18,6 @@ worker, are pickles.
 from __future__ import annotations
 
 import collections
-import ctypes
-import functools
 import json
 from multiprocessing import connection
 import os
@@ -32,50 +30,17 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from typing import Optional
 
 import cloudpickle
 
-from rlax.rewards import code, registry, sandbox
+from rlax.rewards import proctree, sandbox
 
 _START_TIMEOUT_S = 300.0  # the fork server's first start imports rlax.rewards (seconds on a busy host)
 _LOAD_TIMEOUT_S = 120.0  # unpickling a reward function (importing its module) in a fresh worker
 _FN_CACHE = 64  # pickled reward functions kept per worker (they are reused batch after batch)
 _MAX_MESSAGE = 16 << 20  # bytes of one result; a larger one is an error, never read whole
 _REPR_CHARS = 1000  # a value JSON has no type for crosses as its repr, cut to this
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
-JOB_MARGIN_S = 2.0  # a sandbox's start, kill and clean-up around its wall clock (`grading_deadline`)
-SANDBOX_MODES = ("auto", "unsafe")  # sandbox.configure's: the jail (refusing without one), or no isolation
-_EMPTY_CELL = types.CellType()  # compares equal to an empty closure cell only (reading one raises)
-
-
-def grading_deadline(timeout_s: float, sandbox_wall_s: float, margin_s: float = JOB_MARGIN_S) -> float:
-  """A job's deadline: `timeout_s`, raised to the sandbox's wall clock plus `margin_s` for a job that runs the
-  code sandbox, so that the sandbox ends (and cleans up) its own job before the pool kills the worker.
-  The one place this rule lives; VerifierPool.submit applies it to every grading and tool call."""
-  return max(timeout_s, sandbox_wall_s + margin_s) if sandbox_wall_s > 0 else timeout_s
-
-
-def sandbox_wall_s(fn, depth: int = 0) -> float:
-  """The longest sandbox wall clock one call of `fn` may run into (0: none known): what `fn.sandbox_wall_s`
-  declares (the `python` tool; any function may), the `SandboxLimits` a partial or closure holds
-  (`make_code_reward`), the default limits' for the built-in code and auto rewards, else the most over the
-  functions a partial or closure wraps (combined rewards, format bonuses)."""
-  declared = getattr(fn, "sandbox_wall_s", None)
-  if isinstance(declared, (int, float)):
-    return float(declared)
-  if fn is code.code_reward or fn is registry.auto_reward:
-    return sandbox.SandboxLimits().wall_s
-  if isinstance(fn, functools.partial):
-    parts = [fn.func, *fn.args, *fn.keywords.values()]
-  else:
-    parts = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if c != _EMPTY_CELL]
-  parts += [v for p in parts if isinstance(p, dict) for v in p.values()]
-  limits = [p.wall_s for p in parts if isinstance(p, sandbox.SandboxLimits)]
-  if limits or depth >= 4:
-    return max(limits, default=0.0)
-  return max((sandbox_wall_s(p, depth + 1) for p in parts if callable(p)), default=0.0)
 
 
 def timeout(seconds: float) -> tuple[float, dict]:
@@ -89,13 +54,6 @@ def error(e: BaseException | str) -> tuple[float, dict]:
   return 0.0, {"reason": f"grader error: {text}"[:1000], "error": True}
 
 
-def _prctl(option: int, value: int) -> None:
-  try:
-    ctypes.CDLL(None, use_errno=True).prctl(option, value)
-  except (OSError, AttributeError):
-    pass
-
-
 def _cap_memory(memory_mb: int) -> None:
   """RLIMIT_AS = this process's current size + memory_mb: the fork server's imports are not counted."""
   with open("/proc/self/statm") as f:
@@ -103,82 +61,6 @@ def _cap_memory(memory_mb: int) -> None:
   cap = size + (memory_mb << 20)
   hard = resource.getrlimit(resource.RLIMIT_AS)[1]
   resource.setrlimit(resource.RLIMIT_AS, (cap if hard < 0 else min(cap, hard), hard))
-
-
-# -- process trees -------------------------------------------------------------------------------------------
-def _stat(pid) -> Optional[tuple[int, str, int]]:
-  """(parent pid, state, start time) of process `pid`, or None when it is gone."""
-  try:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-      fields = f.read().rsplit(b")", 1)[1].split()
-    return int(fields[1]), fields[0].decode(), int(fields[19])
-  except (OSError, ValueError, IndexError):
-    return None
-
-
-def _table() -> dict[int, tuple[int, str, int]]:
-  """`_stat` of every process (/proc lists no children on every kernel, so parents are read)."""
-  stats = {int(entry): _stat(entry) for entry in os.listdir("/proc") if entry.isdigit()}
-  return {pid: st for pid, st in stats.items() if st}
-
-
-def descendants(pid: int) -> list[int]:
-  """The live (not zombie) descendants of `pid`."""
-  table, kids = _table(), collections.defaultdict(list)
-  for p, (parent, _, _) in table.items():
-    kids[parent].append(p)
-  out, todo = [], [pid]
-  while todo:
-    for c in kids.get(todo.pop(), ()):
-      todo.append(c)
-      if table[c][1] not in "ZX":
-        out.append(c)
-  return out
-
-
-def _signal(pids, sig) -> None:
-  for p in pids:
-    try:
-      os.kill(p, sig)
-    except OSError:
-      pass
-
-
-def kill_tree(pid: int, include_root: bool = True, budget_s: float = 5.0) -> None:
-  """SIGKILLs every descendant of `pid` (and `pid` with its process group, with include_root) until none is
-  left. Each round stops the tree before it kills it: a stopped process cannot fork away meanwhile."""
-  end = time.monotonic() + budget_s
-  root = [pid] if include_root else []
-  while True:
-    tree = descendants(pid) + root
-    if not tree:
-      return
-    _signal(tree, signal.SIGSTOP)
-    _signal(descendants(pid) + tree, signal.SIGKILL)  # again: what forked before its parent stopped
-    if include_root:
-      try:
-        os.killpg(pid, signal.SIGKILL)
-      except OSError:
-        pass
-    root = []
-    if time.monotonic() > end:
-      return
-    time.sleep(0.002)
-
-
-def _clean_up_job() -> None:
-  """Kills what a job left running (it may have double-forked: this subreaper is still its ancestor)."""
-  try:
-    os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-  except ChildProcessError:
-    return  # no child at all, so no descendant: the common case, one system call
-  kill_tree(os.getpid(), include_root=False)
-  while True:  # reap the killed
-    try:
-      if os.waitpid(-1, os.WNOHANG)[0] == 0:
-        return
-    except ChildProcessError:
-      return
 
 
 # -- results as JSON -----------------------------------------------------------------------------------------
@@ -229,7 +111,7 @@ def _decode(blob: bytes) -> tuple[float, dict]:
 # -- the worker and the fork server --------------------------------------------------------------------------
 def _worker_main(conn: connection.Connection, memory_mb: int, mode: str) -> None:
   """A worker process: grades (pickled fn, pickled (completion, record)) messages one at a time."""
-  _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+  proctree.prctl(proctree.PR_SET_CHILD_SUBREAPER, 1)
   try:
     sandbox.configure(mode)
   except Exception as e:  # pylint: disable=broad-except
@@ -263,7 +145,7 @@ def _worker_main(conn: connection.Connection, memory_mb: int, mode: str) -> None
     except BaseException as e:  # pylint: disable=broad-except
       out = error(e)
     try:
-      _clean_up_job()
+      proctree.clean_up_children()
       blob = _encode(out)
     except MemoryError:
       blob, fatal = _encode(error("MemoryError after the grading: the worker is replaced")), True
@@ -272,29 +154,11 @@ def _worker_main(conn: connection.Connection, memory_mb: int, mode: str) -> None
       return  # after a MemoryError the interpreter's state is suspect: a fresh worker replaces us
 
 
-def _sweep(workers: dict[int, Optional[int]]) -> int:
-  """Kills every child of this fork server that is not a live worker, with its tree: what the jobs of a
-  worker killed from outside left (re-parented here, a subreaper). Returns how many."""
-  me, n = os.getpid(), 0
-  for _ in range(100):
-    table = _table()
-    for pid in [p for p in workers if p not in table]:
-      del workers[pid]
-    strays = [p for p, (parent, state, start) in table.items()
-              if parent == me and state not in "ZX" and workers.get(p, -1) != start]
-    if not strays:
-      break
-    n += len(strays)
-    for p in strays:
-      kill_tree(p)
-  return n
-
-
 def serve_forks(ctl_fd: int) -> None:
   """The fork server's loop (`python -c`): one forked worker per b"f" request, a `_sweep` per b"s", until
   the controller's end of the control socket closes (it exited, or was killed)."""
   ctl = socket.socket(fileno=ctl_fd)
-  _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+  proctree.prctl(proctree.PR_SET_CHILD_SUBREAPER, 1)
   try:  # math-verify builds its parsers on first use (~0.5 s): once here, not in every worker
     from rlax.data.records import Record  # pylint: disable=g-import-not-at-top
     from rlax.rewards import math as math_rewards  # pylint: disable=g-import-not-at-top
@@ -313,13 +177,13 @@ def serve_forks(ctl_fd: int) -> None:
       if not msg:
         return
       if msg[:1] == b"s":
-        ctl.sendall(_sweep(workers).to_bytes(8, "little"))
+        ctl.sendall(proctree.sweep(workers).to_bytes(8, "little"))
         continue
       me, pid = os.getpid(), os.fork()
       if pid == 0:
         try:
           ctl.close()
-          _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))  # the worker dies with this server
+          proctree.prctl(proctree.PR_SET_PDEATHSIG, int(signal.SIGKILL))  # the worker dies with this server
           if os.getppid() == me:  # which did not die before that was set
             os.setsid()  # its own session and group: nothing a job signals reaches the controller's group
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the code sandbox waits for its children
@@ -327,10 +191,10 @@ def serve_forks(ctl_fd: int) -> None:
         finally:
           os._exit(0)
       os.close(fds[0])
-      workers[pid] = (_stat(pid) or (0, "", None))[2]
+      workers[pid] = (proctree.stat(pid) or (0, "", None))[2]
       ctl.sendall(pid.to_bytes(8, "little"))
   finally:  # nothing forked here outlives the server
-    kill_tree(os.getpid(), include_root=False)
+    proctree.kill_tree(os.getpid(), include_root=False)
     os._exit(0)
 
 
@@ -542,7 +406,7 @@ class Worker:
   def kill(self) -> None:
     """SIGKILLs the worker's whole tree (from any thread; idempotent). The pipe is closed by retire()."""
     if self._signal(signal.SIGSTOP):  # stopped: it neither forks nor reaps while its tree is killed
-      kill_tree(self.pid, include_root=False)
+      proctree.kill_tree(self.pid, include_root=False)
     self._signal(signal.SIGKILL)
     try:  # its group: what a job left, after the worker itself died
       os.killpg(self.pid, signal.SIGKILL)

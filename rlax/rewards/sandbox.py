@@ -25,15 +25,16 @@ import os
 import re
 import select
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Optional
 
+from rlax.rewards import proctree
+
 _SOURCES = [os.path.join(os.path.dirname(__file__), f) for f in ("code_values.py", "_sandbox_runner.py")]
-_MODES = ("auto", "unsafe")
+MODES = ("auto", "unsafe")  # configure's: the jail (refusing without one), or no isolation
 _mode = "auto"
 _JOB_PREFIX = "rlax_sbx_"
 
@@ -69,7 +70,7 @@ def configure(mode: str) -> None:
   """The isolation policy of this process: "auto" (the jail; refuse without one) or "unsafe" (explicit
   opt-in: run untrusted code with resource limits only). Called by each verifier process at start."""
   global _mode
-  if mode not in _MODES:
+  if mode not in MODES:
     raise ValueError(f"reward.sandbox={mode!r}: use 'auto' (the jail) or 'unsafe' (no isolation, explicit)")
   _mode = mode
 
@@ -106,41 +107,6 @@ def _alive(pid: int) -> bool:
     return False
   except PermissionError:
     return True
-
-
-def kill_tree(pid: int) -> None:
-  """SIGKILLs `pid`'s process group and every descendant (read from /proc, until none is left)."""
-  for _ in range(50):
-    kids = _descendants(pid)
-    for p in [pid] + kids:
-      try:
-        os.kill(p, signal.SIGKILL)
-      except OSError:
-        pass
-    try:
-      os.killpg(pid, signal.SIGKILL)
-    except OSError:
-      pass
-    if not kids:
-      return
-
-
-def _descendants(pid: int) -> list[int]:
-  children: dict[int, list[int]] = {}
-  for entry in os.listdir("/proc"):
-    if entry.isdigit():
-      try:
-        with open(f"/proc/{entry}/stat", "rb") as f:
-          ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-      except (OSError, ValueError, IndexError):
-        continue
-      children.setdefault(ppid, []).append(int(entry))
-  out, todo = [], [pid]
-  while todo:
-    for c in children.get(todo.pop(), ()):
-      out.append(c)
-      todo.append(c)
-  return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -255,11 +221,13 @@ class _Job:
 
   def finish(self) -> tuple[str, str, Optional[int]]:
     """Kills what is left (after a clean exit too) and removes the job directory: (status, output, exit code)."""
-    kill_tree(self.proc.pid)
+    # The job's processes first: bwrap, still alive, reaps its own child (killed together, the child would
+    # be a zombie re-parented to init), then exits by itself.
+    proctree.kill_tree(self.proc.pid, include_root=False)
     try:
-      self.proc.wait(timeout=5)
+      self.proc.wait(timeout=1)
     except subprocess.TimeoutExpired:
-      kill_tree(self.proc.pid)
+      proctree.kill_tree(self.proc.pid)
       self.proc.wait()
     for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
       try:

@@ -18,7 +18,7 @@ import hostile_fns as H
 from rlax import rewards
 from rlax.data.records import Record
 from rlax.envs import renderers, tools
-from rlax.rewards import processes
+from rlax.rewards import pool as pool_lib
 
 
 def _pool(**kw):
@@ -204,11 +204,11 @@ def test_the_sandbox_ends_its_job_before_the_pool_deadline(clean_host):
   """The deadline rule: a grading that runs the sandbox gets its wall clock plus the margin, so a solution
   that blocks without burning CPU is stopped by the sandbox (status 'timeout'), never left running."""
   code_1s = rewards.make_code_reward(wall_s=1.0)
-  assert processes.sandbox_wall_s(code_1s) == 1.0 and processes.sandbox_wall_s(H.ok) == 0.0
-  assert processes.sandbox_wall_s(rewards.build("auto", format_weight=0.1)) == rewards.SandboxLimits().wall_s
-  assert processes.sandbox_wall_s(rewards.combine({"code": 1, "format": 1})) == rewards.SandboxLimits().wall_s
-  assert processes.sandbox_wall_s(tools.python) == tools.PYTHON_LIMITS.wall_s
-  assert processes.grading_deadline(0.5, 1.0, 2.0) == 3.0 and processes.grading_deadline(0.5, 0.0, 2.0) == 0.5
+  assert pool_lib.sandbox_wall_s(code_1s) == 1.0 and pool_lib.sandbox_wall_s(H.ok) == 0.0
+  assert pool_lib.sandbox_wall_s(rewards.build("auto", format_weight=0.1)) == rewards.SandboxLimits().wall_s
+  assert pool_lib.sandbox_wall_s(rewards.combine({"code": 1, "format": 1})) == rewards.SandboxLimits().wall_s
+  assert pool_lib.sandbox_wall_s(tools.python) == tools.PYTHON_LIMITS.wall_s
+  assert pool_lib.grading_deadline(0.5, 1.0, 2.0) == 3.0 and pool_lib.grading_deadline(0.5, 0.0, 2.0) == 0.5
   rec = Record(id="c", prompt="p", tests=("assert f(3) == 9",), task="code")
   blockers = ["import threading\nl = threading.Lock()\nl.acquire()\nl.acquire()",
               "import os\nr, w = os.pipe()\nos.read(r, 1)", "import time\ntime.sleep(100)"]
