@@ -1,11 +1,11 @@
 """Child side of the code sandbox (run as `python -I -S -B -c <code_values source + this source>` inside the
 jail; never imported).
 
-Reads one length-prefixed JSON job from stdin, lowers its resource limits, then either
+Reads one length-prefixed marshal job from stdin (the grader's, trusted here), lowers its resource limits, then either
 
 * "program": runs the code as `__main__`, the rest of stdin being the program's stdin; or
-* "oracle": runs the solution, replies with the names it defined, then answers requests (JSON lines on
-  stdin) one at a time: `exec` a statement, or `eval` an expression and reply with its value as type-tagged
+* "oracle": runs the solution, replies with the names it defined, then answers requests (length-prefixed
+  marshal frames on stdin) one at a time, each with one JSON line: `exec` a statement, or `eval` an expression and reply with its value as type-tagged
   JSON (`encode`, from rlax.rewards.code_values) — or, with `store`, keep a value that is not plain data
   under that name and say so. Request values (`bind`) are the grader's, decoded here.
 
@@ -15,23 +15,31 @@ be taken for a reply. Expected values and comparisons never enter this process (
 
 
 def _main():
-  import builtins, os, sys, json, resource  # pylint: disable=g-import-not-at-top,multiple-imports
-  read, write, loads, dumps, exit_ = os.read, os.write, json.loads, json.dumps, os._exit
-  enc, dec, refused, mutable = encode, decode, Refused, MUTABLE  # pylint: disable=undefined-variable  # code_values
-  size = b""
-  while len(size) < 8:
-    chunk = read(0, 8 - len(size))
-    if not chunk:
-      exit_(3)
-    size += chunk
-  n, parts = int.from_bytes(size, "little"), []
-  while n > 0:
-    chunk = read(0, min(n, 1 << 20))
-    if not chunk:
-      exit_(3)
-    parts.append(chunk)
-    n -= len(chunk)
-  job = loads(b"".join(parts))
+  import builtins, marshal, os, sys, resource  # pylint: disable=g-import-not-at-top,multiple-imports
+  read, write, loads, exit_ = os.read, os.write, marshal.loads, os._exit
+  # pylint: disable-next=undefined-variable  # code_values, prepended
+  enc, dec, refused, mutable, dumps = encode, decode, Refused, MUTABLE, write_json
+
+  def frame(fd):
+    """One length-prefixed frame from `fd` (None at its end)."""
+    size = b""
+    while len(size) < 8:
+      chunk = read(fd, 8 - len(size))
+      if not chunk:
+        return None
+      size += chunk
+    n, parts = int.from_bytes(size, "little"), []
+    while n > 0:
+      chunk = read(fd, min(n, 1 << 20))
+      if not chunk:
+        return None
+      parts.append(chunk)
+      n -= len(chunk)
+    return loads(b"".join(parts))
+
+  job = frame(0)
+  if job is None:
+    exit_(3)
   for name, value in job.pop("limits").items():
     hard = value + 1 if name == "RLIMIT_CPU" else value  # SIGXCPU at the soft limit, SIGKILL at the hard
     resource.setrlimit(getattr(resource, name), (value, hard))
@@ -41,7 +49,7 @@ def _main():
     return
   reply_fd = os.dup(1)
   os.dup2(2, 1)  # the solution's prints go with its stderr
-  requests = os.fdopen(os.dup(0), "rb")
+  requests = os.dup(0)
   os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # input() reads nothing rather than the requests
   pristine = dict(vars(builtins))  # probes see the builtins as they were before the solution ran
   type_, str_, len_, dict_, base_exc, sorted_ = type, str, len, dict, BaseException, sorted
@@ -82,11 +90,10 @@ def _main():
     out["error"] = "solution: " + out["error"]
   reply(out)
   while True:
-    line = requests.readline()
-    if not line:
+    req = frame(requests)
+    if req is None:
       exit_(0)
     try:
-      req = loads(line)
       bind = {k: dec(v, refs=scope.__getitem__) for k, v in req["bind"].items()}
       if req["op"] == "exec":
         scope.update(bind)

@@ -6,13 +6,13 @@ its own `__eq__` — is refused, so nothing a solution defines takes part in a c
 are read through the C types' own methods, never through methods a solution could override.
 
 The sandbox runner runs this same source (stdlib only, no rlax imports: `sandbox` prepends it to the
-runner's), so the encoding is written once. `decode` bounds depth, items and hash collisions, so a value
+runner's), so the encoding is written once; `write_json` is the runner's writer (the `json` module would
+import `re`, a third of a job's start-up). `decode` bounds depth, items and hash collisions, so a value
 small as JSON cannot cost the grader more than linear time.
 """
 
 import collections
-import decimal
-import fractions
+import sys
 import types
 
 MAX_DEPTH = 64
@@ -64,9 +64,10 @@ def encode(x, depth: int = 0, budget=None, refs=None) -> list:
     return ["y" if t is bytes else "Y", bytes.hex(x)]
   if t is range:
     return ["r", x.start, x.stop, x.step]
-  if t is fractions.Fraction:
+  fractions, decimal = sys.modules.get("fractions"), sys.modules.get("decimal")  # no import: none made, none here
+  if fractions is not None and t is fractions.Fraction:
     return ["Q", hex(x.numerator), hex(x.denominator)]
-  if t is decimal.Decimal:
+  if decimal is not None and t is decimal.Decimal:
     return ["M", str(x)]
   if t in _SEQ:
     return [_SEQ[t], [encode(v, depth + 1, budget, refs) for v in list(x)]]
@@ -120,8 +121,10 @@ def decode(v, depth: int = 0, budget=None, refs=None):
   if tag == "r" and all(_type(a) is int for a in v[1:4]) and _len(range(v[1], v[2], v[3])) <= MAX_ITEMS:
     return range(v[1], v[2], v[3])
   if tag == "Q" and _len(v[1]) < 2500 and _len(v[2]) < 2500:
+    import fractions  # pylint: disable=g-import-not-at-top  # the sandbox side never decodes one
     return fractions.Fraction(int(v[1], 16), int(v[2], 16))
   if tag == "M" and _type(v[1]) is str and _len(v[1]) < 5000:
+    import decimal  # pylint: disable=g-import-not-at-top
     d = decimal.Decimal(v[1])
     if d.is_finite() and abs(d.adjusted()) > 10000:
       raise ValueError("a Decimal of more than 10000 digits")
@@ -167,3 +170,35 @@ def raised(reply: dict) -> Exception:
 
 class Failed(Exception):
   """An evaluation inside the sandbox failed (refused value, crash, timeout, tampering)."""
+
+
+def write_json(obj) -> str:
+  """JSON of a reply (dicts with str keys, lists, str, int, bool, None: what `encode` makes), without the
+  `json` module."""
+  import _json  # pylint: disable=g-import-not-at-top  # C: imports nothing
+  out = []
+
+  def put(v):
+    t = _type(v)
+    if t is str:
+      out.append(_json.encode_basestring_ascii(v))
+    elif v is None or t is bool:
+      out.append("null" if v is None else "true" if v else "false")
+    elif t is int:
+      out.append(int.__repr__(v))
+    elif t is list or t is tuple:
+      out.append("[")
+      for i, x in enumerate(v):
+        out.append("," if i else "")
+        put(x)
+      out.append("]")
+    elif t is dict:
+      out.append("{")
+      for i, (k, x) in enumerate(v.items()):
+        out.append(("," if i else "") + _json.encode_basestring_ascii(str(k)) + ":")
+        put(x)
+      out.append("}")
+    else:
+      raise Refused(f"a reply holding a {t.__name__}")
+  put(obj)
+  return "".join(out)

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import glob
 import json
+import marshal
 import os
 import re
 import select
@@ -109,6 +110,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def frame(obj) -> bytes:
+  """A request for the runner: length-prefixed marshal (the runner reads it without importing `json`)."""
+  body = marshal.dumps(obj)
+  return len(body).to_bytes(8, "little") + body
+
+
 @functools.lru_cache(maxsize=None)
 def _runner_source() -> str:
   """The child's program: the value codec, then the runner (one source, so the encoding is written once)."""
@@ -147,8 +154,7 @@ class _Job:
     self.stdin_fd = self.proc.stdin.fileno()
     os.set_blocking(self.stdin_fd, False)
     self.pending, self.eof, self.stdin_closed, self.close_after = bytearray(), set(), False, False
-    body = json.dumps(job).encode()
-    self.send(len(body).to_bytes(8, "little") + body + stdin_tail, close=job["mode"] == "program")
+    self.send(frame(job) + stdin_tail, close=job["mode"] == "program")
 
   def send(self, data: bytes, close: bool = False) -> bool:
     """Queues `data` for the job's stdin (written by `pump`, under the deadline: a job that stops reading
@@ -222,10 +228,13 @@ class _Job:
   def finish(self) -> tuple[str, str, Optional[int]]:
     """Kills what is left (after a clean exit too) and removes the job directory: (status, output, exit code)."""
     # The job's processes first: bwrap, still alive, reaps its own child (killed together, the child would
-    # be a zombie re-parented to init), then exits by itself.
+    # be a zombie re-parented to init), then exits by itself; without a jail the runner ends at its stdin's EOF.
+    self.pending.clear()
+    self.close_after = True
+    self._close_stdin_if_asked()
     proctree.kill_tree(self.proc.pid, include_root=False)
     try:
-      self.proc.wait(timeout=1)
+      self.proc.wait(timeout=0.5)
     except subprocess.TimeoutExpired:
       proctree.kill_tree(self.proc.pid)
       self.proc.wait()
@@ -300,7 +309,7 @@ class Oracle:
   def _request(self, req: dict) -> dict:
     if self.job.status:
       return {"error": self.job.status}
-    if not self.job.send(json.dumps(req).encode() + b"\n"):
+    if not self.job.send(frame(req)):
       return {"error": self.job.status or "the sandbox ended"}
     return self._reply()
 
