@@ -129,7 +129,15 @@ def episodes(run: RunConfig, tok: Tokenizer, render: PromptRenderer, reward, poo
 
 
 def verifier_pool(run: RunConfig) -> rewards.VerifierPool:
+  """The run's grading processes; a run that grades code with no jail here stops at once, in one line, unless
+  it opted in with reward.sandbox=unsafe (never a silent fallback, nor a run of zero rewards)."""
   r = run.reward
+  grades_code = "code" in r.name or ("auto" in r.name and any(t in run.data.task for t in ("program", "code")))
+  if grades_code and r.sandbox == "auto":
+    try:
+      rewards.isolation_mode()
+    except RuntimeError as e:  # launch.main prints it as one line
+      raise ValueError(f"reward.sandbox=auto: {e}") from None
   return rewards.VerifierPool(num_workers=r.workers, timeout_s=r.timeout_s, memory_mb=r.memory_mb,
                               max_chars=r.max_chars, sandbox=r.sandbox)
 

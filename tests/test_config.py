@@ -147,6 +147,20 @@ def test_reward_limits_reach_the_verifier_pool():
     assert reward == 0.0 and info.get("too_long")
 
 
+def test_a_run_that_grades_code_without_a_jail_stops_in_one_line(monkeypatch):
+  from rlax import builders
+  from rlax.rewards import jail
+  monkeypatch.setattr(jail, "available", lambda: (False, "bwrap cannot build the jail: no user namespaces"))
+  c = demo.get_config("tiny")
+  c.reward.update(name="code", workers=1)
+  with pytest.raises(ValueError, match=r"^reward.sandbox=auto: no sandbox for untrusted code: bwrap cannot build "
+                                       r"the jail: no user namespaces; .*reward.sandbox=unsafe"):
+    builders.verifier_pool(config_lib.load(c))
+  c.reward.sandbox = "unsafe"  # the explicit opt-in
+  with builders.verifier_pool(config_lib.load(c)) as pool:
+    assert pool.grade(lambda text, rec: (1.0, {}), ["x"], [None])[0][0] == 1.0
+
+
 def test_sft_warm_start_builds_no_value_model():
   from rlax import builders
   from rlax import models as M
