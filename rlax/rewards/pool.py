@@ -50,7 +50,7 @@ from rlax.rewards import sandbox as sandbox_lib
 RewardFn = Callable[[str, Any], tuple[float, dict]]
 
 
-JOB_MARGIN_S = 2.0  # a sandbox's start, kill and clean-up around its wall clock (`grading_deadline`)
+JOB_MARGIN_S = sandbox_lib.JOB_MARGIN_S  # a sandbox's start, kill and clean-up around its wall clock
 _EMPTY_CELL = types.CellType()  # compares equal to an empty closure cell only (reading one raises)
 
 

@@ -122,8 +122,9 @@ def _worker_main(conn: connection.Connection, memory_mb: int, mode: str) -> None
   conn.send_bytes(json.dumps({"ready": True}).encode())
   while True:
     try:
-      fn_blob, payload = pickle.loads(conn.recv_bytes())
+      fn_blob, payload, deadline_s = pickle.loads(conn.recv_bytes())
       conn.send_bytes(b"")  # taken: a death from here on is this job's
+      sandbox.job_deadline(time.monotonic() + deadline_s)  # a sandbox the job starts ends before the pool's
     except (EOFError, OSError):
       return  # the controller closed the pool or exited
     fatal = False
@@ -338,7 +339,7 @@ class Worker:
     """The worker's (reward, info), or None at the deadline."""
     end = time.monotonic() + timeout_s
     try:
-      self.conn.send_bytes(pickle.dumps((fn_blob, payload)))
+      self.conn.send_bytes(pickle.dumps((fn_blob, payload, timeout_s)))
       if self.conn.poll(timeout_s):
         self.conn.recv_bytes(16)  # the worker took the job
     except (EOFError, OSError):

@@ -35,8 +35,10 @@ from typing import Optional
 from rlax.rewards import proctree
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), f) for f in ("code_values.py", "_sandbox_runner.py")]
+JOB_MARGIN_S = 2.0  # a sandbox's start, kill and clean-up: it ends this long before its grading's deadline
 MODES = ("auto", "unsafe")  # configure's: the jail (refusing without one), or no isolation
 _mode = "auto"
+_deadline: Optional[float] = None  # time.monotonic() at which this process's current grading is killed
 _JOB_PREFIX = "rlax_sbx_"
 
 
@@ -74,6 +76,14 @@ def configure(mode: str) -> None:
   if mode not in MODES:
     raise ValueError(f"reward.sandbox={mode!r}: use 'auto' (the jail) or 'unsafe' (no isolation, explicit)")
   _mode = mode
+
+
+def job_deadline(at: Optional[float]) -> None:
+  """The current grading's deadline (time.monotonic()), set by the verifier worker for each job: a sandbox
+  started within it ends JOB_MARGIN_S earlier than its own `wall_s` would, whatever reward wrapped it, so
+  the sandbox, not the pool, stops (and cleans up) its job (the pool's rule: pool.grading_deadline)."""
+  global _deadline
+  _deadline = at
 
 
 def isolation_mode() -> str:
@@ -131,6 +141,8 @@ class _Job:
 
   def __init__(self, job: dict, limits: SandboxLimits, stdin_tail: bytes = b""):
     self.limits, self.start = limits, time.monotonic()
+    self.wall = limits.wall_s if _deadline is None else max(0.1, min(limits.wall_s,
+                                                                       _deadline - self.start - JOB_MARGIN_S))
     self.output, self.replies, self.status = bytearray(), bytearray(), ""
     mode = isolation_mode()
     argv = ["-I", "-S", "-B", "-c", _runner_source()]
@@ -180,7 +192,7 @@ class _Job:
       if until_sent and not self.pending:
         self._close_stdin_if_asked()
         return None
-      left = self.limits.wall_s - (time.monotonic() - self.start)
+      left = self.wall - (time.monotonic() - self.start)
       if left <= 0:
         self.status = "timeout"
         break

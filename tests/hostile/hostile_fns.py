@@ -144,3 +144,9 @@ def group_kill(n: int) -> str:
   """Signals its own process group."""
   os.killpg(0, signal.SIGTERM)
   return "survived"
+
+
+def hidden_code(completion, record):
+  """A code reward whose sandbox limits the pool cannot see (they are made inside the call)."""
+  from rlax import rewards  # pylint: disable=g-import-not-at-top
+  return rewards.code_reward(completion, record, limits=rewards.SandboxLimits(wall_s=30.0))

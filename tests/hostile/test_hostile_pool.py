@@ -219,6 +219,17 @@ def test_the_sandbox_ends_its_job_before_the_pool_deadline(clean_host):
     assert pool.abandoned == 0
 
 
+def test_a_sandbox_the_pool_cannot_see_still_ends_before_the_pool_deadline(clean_host):
+  """Limits made inside the reward (invisible to sandbox_wall_s): the worker hands each job its deadline, and
+  the sandbox ends JOB_MARGIN_S before it."""
+  assert pool_lib.sandbox_wall_s(H.hidden_code) == 0.0
+  rec = Record(id="c", prompt="p", tests=("assert f(3) == 9",), task="code")
+  with _pool(num_workers=1, timeout_s=3.0) as pool:
+    (reward, info), = pool.grade(H.hidden_code, ["import time\ntime.sleep(100)"], [rec])
+    assert reward == 0.0 and info["status"] == "timeout" and not info.get("timeout"), info
+    assert info["wall_s"] < 1.5 and pool.abandoned == 0
+
+
 def test_the_python_tool_runs_policy_code_in_the_sandbox(clean_host):
   with _pool(num_workers=2) as pool:
     runner = tools.ToolRunner(pool, [tools.Tool.from_function(tools.python)], timeout_s=1.0)
