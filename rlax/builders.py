@@ -24,6 +24,7 @@ from rlax.data import tokenizer as tok_lib
 from rlax.data.pipeline import RecordIterator
 from rlax.data.prompts import PromptRenderer
 from rlax.data.records import Record, read_records
+from rlax.envs import journal
 from rlax.models import hf
 from rlax.models import sharding as shd
 from rlax.models.hf_tokenizer import Tokenizer
@@ -119,7 +120,7 @@ def episodes(run: RunConfig, tok: Tokenizer, render: PromptRenderer, reward, poo
     return None
   factory = envs.get(e.name)
   ctx = envs.EnvContext(tokenizer=tok, render=render, reward_fn=reward, grade=pool.grade, pool=pool, config=e,
-                        journal=envs.ToolJournal(os.path.join(run.workdir, "tool_journal.jsonl")))
+                        journal=envs.ToolJournal(os.path.join(run.workdir, journal.FILE)))
 
   def make(stream, sync: bool = False, keys: bool = False) -> envs.EpisodeStream:
     return envs.EpisodeStream(stream, lambda: factory(ctx), context_tokens=e.context_tokens,

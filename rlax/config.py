@@ -19,6 +19,7 @@ from rlax import algorithms
 from rlax import models
 from rlax.envs.base import EnvConfig
 from rlax.models.lora import LoraConfig, parse_targets
+from rlax.rewards import sandbox
 from rlax.topology import TopologyConfig
 from rlax.trainer.optimizer import OptimizerConfig
 
@@ -435,9 +436,7 @@ def validate(run: RunConfig) -> None:
        "reward.workers must be >= 1 and reward.timeout_s > 0"),
       (run.reward.memory_mb >= 1 and run.reward.max_chars >= 1,
        f"reward.memory_mb={run.reward.memory_mb} and reward.max_chars={run.reward.max_chars} must be >= 1"),
-      (run.reward.sandbox in ("auto", "unsafe"),
-       f"reward.sandbox={run.reward.sandbox!r}: use 'auto' (the jail; code is refused without one) or 'unsafe' "
-       "(explicit opt-in: policy-written code runs without isolation)"),
+      (not sandbox.mode_error(run.reward.sandbox), sandbox.mode_error(run.reward.sandbox)),
       (run.data.n_train >= 1 and run.data.n_eval >= 1 and run.data.difficulty >= 1,
        "data.n_train, data.n_eval and data.difficulty must be >= 1"),
       (run.data.prompt_style in ("instruct", "compact"),

@@ -4,7 +4,7 @@ jail; never imported).
 Reads one length-prefixed marshal job from stdin (the grader's, trusted here), lowers its resource limits, then either
 
 * "program": runs the code as `__main__`, the rest of stdin being the program's stdin; or
-* "oracle": runs the solution, replies with the names it defined, then answers requests (length-prefixed
+* "oracle": runs the solution, replies whether it loaded, then answers requests (length-prefixed
   marshal frames on stdin) one at a time, each with one JSON line: `exec` a statement, or `eval` an expression and reply with its value as type-tagged
   JSON (`encode`, from rlax.rewards.code_values) — or, with `store`, keep a value that is not plain data
   under that name and say so. Request values (`bind`) are the grader's, decoded here.
@@ -52,8 +52,8 @@ def _main():
   requests = os.dup(0)
   os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # input() reads nothing rather than the requests
   pristine = dict(vars(builtins))  # probes see the builtins as they were before the solution ran
-  type_, str_, len_, dict_, base_exc, sorted_ = type, str, len, dict, BaseException, sorted
-  compile_, exec_, eval_, isinstance_, callable_ = compile, exec, eval, isinstance, callable
+  type_, str_, len_, dict_, base_exc = type, str, len, dict, BaseException
+  compile_, exec_, eval_, callable_ = compile, exec, eval, callable
   type_name = type.__dict__["__name__"].__get__  # the C slot: a metaclass cannot fake it
   flushes = (sys.stdout.flush, sys.stderr.flush)  # bound now: the solution may replace sys.stdout
   max_bytes = job["reply_bytes"]
@@ -83,8 +83,7 @@ def _main():
   scope = {"__name__": "__main__"}
   try:
     exec_(compile_(job.pop("code"), "<solution>", "exec"), scope)
-    names = sorted_(k for k in scope if isinstance_(k, str_) and not k.startswith("__"))[:1000]
-    out = {"ok": True, "defined": names}
+    out = {"ok": True}
   except base_exc as e:  # pylint: disable=broad-except
     out = failure(e)
     out["error"] = "solution: " + out["error"]

@@ -211,8 +211,7 @@ class _Test:
     safe["__build_class__"] = builtins.__build_class__  # the test's own classes (a dataclass of cases)
     self.scope = {"__builtins__": safe, PROBE: self._probe, "__name__": "rlax_test"}
     self.probes: list = []
-    self.calls = 0
-    self.handles = 0
+    self.calls = 0  # requests made: each names its own handle
 
   def run(self, tree: ast.Module) -> str:
     """'' when every statement ran, every assert held and the solution was called, else the first failure
@@ -253,8 +252,7 @@ class _Test:
     """`src` evaluated inside with `values` bound: a plain value, or a Ref to what stays inside. Mutable
     arguments the evaluation changed in place are changed here too (`nums.sort()` in a solution)."""
     self.calls += 1
-    self.handles += 1
-    handle = f"{HANDLE}{self.handles}"
+    handle = f"{HANDLE}{self.calls}"
     out = self.oracle.eval(src, self._encode(values), store=handle)
     for name, new in (out.get("after") or {}).items():
       if name in values:
@@ -332,7 +330,7 @@ class Ref:
     value = self._ask(f"{self._h()}.{attr}", {})
     get = object.__getattribute__
     if type(value) is Ref and get(value, "_callable") and not get(self, "_ctor"):
-      raise ProbeError(f"refused .{attr}() of a {object.__getattribute__(self, '_type')} the test did not build "
+      raise ProbeError(f"refused .{attr}() of a {get(self, '_type')} the test did not build "
                        "(a method of it would judge the test's values inside)")
     return value
 

@@ -132,8 +132,8 @@ class VerifierPool:
     if num_workers <= 0 or timeout_s <= 0 or memory_mb <= 0 or max_chars <= 0 or job_margin_s < 0:
       raise ValueError("num_workers, timeout_s, memory_mb and max_chars must be positive and job_margin_s >= 0, "
                        f"got {num_workers}, {timeout_s}, {memory_mb}, {max_chars}, {job_margin_s}")
-    if sandbox not in sandbox_lib.MODES:
-      raise ValueError(f"sandbox={sandbox!r}: use 'auto' (the jail) or 'unsafe' (no isolation, explicit)")
+    if sandbox_lib.mode_error(sandbox):
+      raise ValueError(sandbox_lib.mode_error(sandbox))
     self.timeout_s, self.memory_mb, self.max_chars = timeout_s, memory_mb, max_chars
     self.sandbox, self.job_margin_s, self.in_process = sandbox, job_margin_s, in_process
     self._queue: queue.Queue = queue.Queue()

@@ -45,7 +45,7 @@ _JOB_PREFIX = "rlax_sbx_"
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
   """Per-job limits. `wall_s` is enforced by the parent; `disk_mb` is the job directory's tmpfs; the rest by
-  setrlimit in the child. The verifier pool's deadline must exceed `wall_s` (processes.grading_deadline)."""
+  setrlimit in the child. The verifier pool's deadline must exceed `wall_s` (pool.grading_deadline)."""
   wall_s: float = 5.0
   cpu_s: int = 5
   memory_mb: int = 512
@@ -69,12 +69,19 @@ class ProgramResult:
   wall_s: float
 
 
+def mode_error(mode: str) -> str:
+  """'' for a known isolation mode, else the one line that says what to use (the config, the pool and
+  `configure` all check with it)."""
+  return "" if mode in MODES else (f"reward.sandbox={mode!r}: use 'auto' (the jail; policy-written code is "
+                                   "refused without one) or 'unsafe' (explicit opt-in: it runs without isolation)")
+
+
 def configure(mode: str) -> None:
   """The isolation policy of this process: "auto" (the jail; refuse without one) or "unsafe" (explicit
   opt-in: run untrusted code with resource limits only). Called by each verifier process at start."""
   global _mode
-  if mode not in MODES:
-    raise ValueError(f"reward.sandbox={mode!r}: use 'auto' (the jail) or 'unsafe' (no isolation, explicit)")
+  if mode_error(mode):
+    raise ValueError(mode_error(mode))
   _mode = mode
 
 
@@ -103,21 +110,11 @@ def remove_stale_jobs(root: Optional[str] = None) -> int:
   n = 0
   for path in glob.glob(os.path.join(root or tempfile.gettempdir(), _JOB_PREFIX + "*")):
     m = re.match(_JOB_PREFIX + r"(\d+)_", os.path.basename(path))
-    if m and _alive(int(m.group(1))):
+    if m and proctree.stat(m.group(1)) is not None:
       continue
     shutil.rmtree(path, ignore_errors=True)
     n += 1
   return n
-
-
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-    return True
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
 
 
 def frame(obj) -> bytes:
@@ -274,14 +271,13 @@ def run_program(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimit
   status, output, rc = job.finish()
   if not status:
     status = "ok" if rc == 0 else "error" if rc and rc > 0 else "crashed"
-  return ProgramResult(status, output[-limits.output_bytes:], job.wall_s)
+  return ProgramResult(status, output, job.wall_s)
 
 
 class Oracle:
   """A loaded solution that evaluates test statements on request (see the module docstring).
 
       with Oracle(code, limits) as o:      # o.error: why the solution did not load ('' if it did)
-        o.defined                          # the names its top level defined
         o.exec("s = Solution()", {})       # '' or the error
         o.eval("f(x)", {"x": ["i", "0x3"]})   # {"value": <type-tagged JSON>} or {"error": ..., "raised": ...}
         o.eval("Solution()", {}, store="s")   # {"stored": True} when the value is not plain data
@@ -290,16 +286,14 @@ class Oracle:
   def __init__(self, code: str, limits: SandboxLimits = SandboxLimits()):
     if not isinstance(code, str):
       raise ValueError(f"code must be a string, got {type(code).__name__}")
-    self.limits, self.tampered, self.result = limits, False, None
+    self.result = None
     self.job = _Job({"mode": "oracle", "code": code, "reply_bytes": limits.output_bytes}, limits)
     try:
       first = self._reply()
     except BaseException:
       self.close()
       raise
-    self.error = first.get("error", "")
-    defined = first.get("defined", [])
-    self.defined = [n for n in defined if isinstance(n, str)] if isinstance(defined, list) else []
+    self.error = str(first.get("error", ""))
 
   def _reply(self) -> dict:
     line = self.job.pump(want_line=True)
@@ -314,7 +308,6 @@ class Oracle:
     return out if isinstance(out, dict) else self._tampered()
 
   def _tampered(self) -> dict:
-    self.tampered = True
     self.job.status = self.job.status or "tampered"
     return {"error": "tampered with the reply channel"}
 
@@ -335,7 +328,7 @@ class Oracle:
     """(status: 'ok', 'timeout', 'output_limit' or 'tampered'; the solution's output)."""
     if self.result is None:
       status, output, _ = self.job.finish()
-      self.result = (status or ("tampered" if self.tampered else "ok"), output)
+      self.result = (status or "ok", output)
     return self.result
 
   @property
