@@ -10,25 +10,19 @@ chip's published figures. `get_config("32k")` doubles the response length (32k s
 `get_config("tiny")` keeps the structure but shrinks model and topology to 8 local devices (tests, CPU).
 """
 
+import dataclasses
+
 import ml_collections
 
 from configs import base
+from rlax.planning_config import PlanConfig
 
 
 def plan_fields(topology: str, num_slices: int, sampler_batch: int) -> ml_collections.ConfigDict:
-  """v5p published per-chip figures; ICI/DCN figures are assumptions (README: "Scaling past one machine")."""
-  return ml_collections.ConfigDict(dict(
-      topology=topology,          # get_topology_desc string, or "local" for this machine's devices
-      num_slices=num_slices,
-      chip="v5p",
-      hbm_gib=95.0,
-      peak_tflops=459.0,          # bf16
-      hbm_tb_s=2.76,
-      ici_gb_s=300.0,             # per chip, one direction (half of the published 4800 Gbps bidirectional)
-      dcn_gb_s=6.25,              # per chip: 200 Gbps NIC per 4-chip host / 4 (assumption)
-      sampler_batch=sampler_batch,  # rows per sampler prefill/decode call
-      programs="",                # e.g. "sampler_decode_paged": compile only these (rlax.planning.PROGRAMS)
-  ))
+  """The plan section (rlax.planning_config.PlanConfig: v5p's per-chip figures) for `topology` x `num_slices`.
+  programs, e.g. "sampler_decode_paged": compile only these (rlax.planning.PROGRAMS)."""
+  return ml_collections.ConfigDict({**dataclasses.asdict(PlanConfig()), "topology": topology,
+                                    "num_slices": num_slices, "sampler_batch": sampler_batch})
 
 
 def get_config(arg: str | None = None):

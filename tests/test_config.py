@@ -12,6 +12,7 @@ import pytest
 
 from configs import base, demo
 from harness import hf_models
+from rlax import algorithms
 from rlax import config as config_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ def test_config_loads_and_validates(name, arg, tmp_path):
     cd.model.hf_checkpoint = str(tmp_path)
   run = config_lib.load(cd)
   assert os.path.isabs(run.workdir)
-  assert run.algorithm.name in config_lib.RUNTIME_ALGORITHMS
+  assert run.algorithm.name in algorithms.known_algorithms()
   assert run.rollout.rows % run.optimizer.micro_batches == 0
   with pytest.raises(dataclasses.FrozenInstanceError):
     run.seed = 1  # typed configs are frozen

@@ -24,6 +24,8 @@ from rlax.algorithms.segments import Segments
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 # Estimators whose advantage is per token ([B, T]) given the scored-token mask (KL to go, token-level norm).
 TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")
+# Estimators that normalize within a prompt's group of samples (a group needs at least 2).
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +106,11 @@ class AlgorithmConfig:
       raise ValueError(f"has_value_model={self.has_value_model} goes with advantage='gae' (PPO) only")
     if self.max_len is not None and self.max_len <= 0:
       raise ValueError(f"max_len={self.max_len} must be positive")
+
+  @property
+  def needs_groups(self) -> bool:
+    """Whether the advantage normalizes within a prompt's group: then rollout.samples_per_prompt >= 2."""
+    return self.advantage in GROUP_ESTIMATORS
 
   def replace(self, **kw) -> "AlgorithmConfig":
     return dataclasses.replace(self, **kw)

@@ -1,8 +1,9 @@
 """Multi-turn, tool-using episodes: the environment protocol, chat-template renderers, tools, the episode
 stream over the sampler, and the environment registry."""
 
-from rlax.envs.base import (CALL_OUTCOMES, STOP_REASONS, EnvConfig, EnvContext, Environment, Observation,
+from rlax.envs.base import (CALL_OUTCOMES, STOP_REASONS, EnvContext, Environment, Observation,
                             StepResult, Turn)
+from rlax.envs.config import EnvConfig
 from rlax.envs.episodes import EpisodeStream, FinishedEpisodes, batch_stats
 from rlax.envs.journal import ToolJournal
 from rlax.envs.registry import get, names, register

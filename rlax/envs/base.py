@@ -19,6 +19,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from rlax.envs.config import EnvConfig  # also rlax.envs.base.EnvConfig, where it used to live
+
 # Why an episode ended (counted per step as env/stop_<reason>).
 STOP_REASONS = ("final_answer", "max_turns", "max_tool_calls", "context_full", "length")
 # What a tool call came to (counted per step as env/calls_<outcome>).
@@ -107,33 +109,3 @@ class EnvContext:
   pool: Any
   config: "EnvConfig"
   journal: Any = None
-
-
-@dataclasses.dataclass(frozen=True)
-class EnvConfig:
-  """Multi-turn episodes. name: "" (one-shot rollouts), a registered environment ("single_turn",
-  "calculator", "retry") or "module:Class" (a user's Environment, built as Class(ctx: EnvContext) per episode)."""
-  name: str = ""
-  renderer: str = "auto"          # chat-template family: "auto" (from the template), chatml, llama3, hermes
-  max_turns: int = 4              # policy turns per episode
-  max_tool_calls: int = 4         # tool calls per episode
-  turn_tokens: int = 0            # new tokens per turn (0: rollout.max_new_tokens, clamped to the context left)
-  context_tokens: int = 0         # prompt + all turns (0: rollout.max_prompt_len + rollout.max_new_tokens)
-  tool_timeout_s: float = 5.0     # per call, in a verifier process
-  tool_output_chars: int = 1000   # longer tool output is cut (counted as "truncated")
-  tools_available: bool = True    # False: every call is answered "unavailable" (a control run)
-  examples: int = 2               # calculator: worked examples in the conversation
-  retry_message: str = "That is not right. Think again and give the answer."  # retry: the user's reply
-
-  def validate(self) -> None:
-    for name, ok in (("max_turns", self.max_turns >= 1), ("max_tool_calls", self.max_tool_calls >= 0),
-                     ("turn_tokens", self.turn_tokens >= 0), ("context_tokens", self.context_tokens >= 0),
-                     ("tool_timeout_s", self.tool_timeout_s > 0), ("tool_output_chars", self.tool_output_chars >= 1),
-                     ("examples", self.examples >= 0)):
-      if not ok:
-        raise ValueError(f"env.{name}={getattr(self, name)!r} is out of range")
-    if self.renderer not in ("auto", "chatml", "hermes", "llama3"):
-      raise ValueError(f"env.renderer={self.renderer!r}: use auto, chatml, hermes or llama3")
-    if self.name:
-      from rlax.envs import registry  # pylint: disable=g-import-not-at-top
-      registry.get(self.name)

@@ -14,7 +14,7 @@ same logical axes (the rank axis replicated).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +68,11 @@ def parse_targets(spec: Any) -> tuple[str, ...]:
     named = {"all": TARGETS, "attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}
     return named.get(spec, tuple(t.strip() for t in spec.split(",") if t.strip()))
   return tuple(spec)
+
+
+def target_spec(targets: Sequence[str]) -> str:
+  """The string `parse_targets` reads back as `targets` ("all": every target)."""
+  return "all" if tuple(targets) == TARGETS else ",".join(targets)
 
 
 def _adapters_of(full: dict, lora: LoraConfig, rank_entry) -> dict:
