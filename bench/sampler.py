@@ -73,17 +73,6 @@ def hf_model(params, cfg):
   return model.eval()
 
 
-def median_time(fn, reps):
-  fn()  # warm-up (compiles)
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    extra = fn()
-    times.append((time.perf_counter() - t0, extra))
-  times.sort(key=lambda x: x[0])
-  return times[len(times) // 2]
-
-
 def hf_continuous(model, prompts, samples, limits):
   """transformers' continuous batching over one request per row (prompt-major) with its own limit → seconds."""
   import transformers
@@ -135,7 +124,7 @@ def main_w4(params, cfg, prompts, S, jax, using_tcmalloc):
     state["over_time"] = marks + [(time.perf_counter() - t0, useful)]
     return dict(engine.last_timings)
 
-  total, tm = median_time(run, FLAGS.reps)
+  total, tm = workload.median_time(run, FLAGS.reps)
   print(f"rlax: {total:.3f} s ({useful / total:,.0f} useful tok/s, slot utilization "
         f"{tm['slot_utilization']:.2f}, compiles {dict(engine.trace_counts)})", flush=True)
   # Tokens/s over time: finished rows' tokens per second in 10 equal windows of the last run's wall clock.
@@ -207,8 +196,8 @@ def main(_):
       return dict(engine.last_timings)
     return call
 
-  total, tm = median_time(run(n_new), FLAGS.reps)
-  prefill, _ = median_time(run(1), FLAGS.reps)
+  total, tm = workload.median_time(run(n_new), FLAGS.reps)
+  prefill, _ = workload.median_time(run(1), FLAGS.reps)
   decode_s = max(total - prefill, 1e-9)
   flops = decode_flops(cfg, rows, FLAGS.prompt_len, n_new)
   peak = workload.matmul_flops_per_s()
@@ -235,7 +224,7 @@ def main(_):
                              min_new_tokens=n_new, num_return_sequences=FLAGS.samples)
       assert out.shape == (rows, FLAGS.prompt_len + n_new)
 
-    hf_total, _ = median_time(run_hf, FLAGS.reps)
+    hf_total, _ = workload.median_time(run_hf, FLAGS.reps)
     result.update(baseline_tokens_per_s=n_tok / hf_total, baseline_s=hf_total, ratio=hf_total / total)
     print(f"transformers generate: {hf_total:.3f} s ({n_tok / hf_total:,.0f} tok/s); "
           f"rlax / transformers = {result['ratio']:.2f}x")

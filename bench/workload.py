@@ -51,6 +51,19 @@ def matmul_flops_per_s(n: int = 2048, reps: int = 7) -> float:
   return 2 * n ** 3 / statistics.median(times)
 
 
+def median_time(fn, reps: int):
+  """(seconds, fn's result) of the median of `reps` timed calls of `fn`, after one warm-up call that compiles."""
+  import time
+  fn()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    extra = fn()
+    times.append((time.perf_counter() - t0, extra))
+  times.sort(key=lambda x: x[0])
+  return times[len(times) // 2]
+
+
 def matmul_params(cfg) -> int:
   """Weights used in matmuls per token: q, k, v, o, gate, up, down of every layer + the lm head."""
   d, h, k, dh, f, v, l = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size,

@@ -41,7 +41,7 @@ def main(argv):
   apply_cpu_devices()  # before the first JAX operation
   apply_compilation_cache()
   logging.set_verbosity(logging.WARNING)
-  from rlax.runtime.evaluate import evaluate_model  # pylint: disable=g-import-not-at-top
+  from rlax.evaluation import evaluate_model  # pylint: disable=g-import-not-at-top
   try:
     result = evaluate_model(CONFIG.value, model=MODEL.value, checkpoint=CHECKPOINT.value, step=STEP.value,
                             data=DATA.value, task=TASK.value, n_samples=N_SAMPLES.value, greedy=GREEDY.value,

@@ -8,6 +8,9 @@ latest step that fails to read (truncated or missing files) is skipped with a wa
 step and the error, falling back to the previous one; a checkpoint whose tree or shapes differ from
 the restore target is an error naming the leaf, never a partial restore. Restoring onto a different
 mesh or device count only needs a target tree of `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`.
+
+`load_policy` reads a run's checkpoint as its policy (full weights, LoRA adapters merged) and model config,
+for export and evaluation: the one reader of a run's saved config outside the runtime.
 """
 
 from __future__ import annotations
@@ -16,12 +19,17 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from absl import logging
 import jax
+from jax.sharding import Mesh, SingleDeviceSharding
 import numpy as np
 import orbax.checkpoint as ocp
+
+from rlax import models
+from rlax.models import hf
+from rlax.models import lora as lora_lib
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -141,7 +149,7 @@ class Checkpointer:
       raise CheckpointError(f"checkpoint save of step {step} to {self.directory} failed: {short_error(e)}"
                             ) from None
     self._last_step, self._last_time = step, time.time() if now is None else now
-    logging.info("checkpoint: started async save of step %d to %s", step, self.directory)
+    logging.vlog(1, "checkpoint: started async save of step %d to %s", step, self.directory)
     return True
 
   def _check_compatible(self, step: int, target: Any) -> None:
@@ -227,3 +235,90 @@ class Checkpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _read_only(workdir: str) -> tuple[str, ocp.CheckpointManager]:
+  ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
+  if not os.path.isdir(ckpt_dir):
+    raise ValueError(f"workdir {workdir} has no checkpoints (no directory {ckpt_dir})")
+  # read_only: the run may still be writing checkpoints here.
+  mgr = ocp.CheckpointManager(
+      ckpt_dir, options=ocp.CheckpointManagerOptions(read_only=True),
+      item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+  return ckpt_dir, mgr
+
+
+def restore_params(workdir: str, step: Optional[int] = None) -> tuple[int, Any, dict]:
+  """(step, params on one CPU device, meta) of the newest (or the given) finished checkpoint of a run.
+
+  Only the params are read (orbax partial restore): the optimizer state and queued rollouts stay on disk.
+  A LoRA run's params are its adapters; `load_policy` gives the merged weights.
+  """
+  ckpt_dir, mgr = _read_only(workdir)
+  try:
+    steps = sorted(mgr.all_steps())
+    if not steps:
+      raise ValueError(f"workdir {workdir} has no finished checkpoint in {ckpt_dir}")
+    if step is None:
+      step = steps[-1]
+    elif step not in steps:
+      raise ValueError(f"workdir {workdir} has no checkpoint of step {step}; its checkpoints are steps "
+                       f"{', '.join(map(str, steps))}")
+    tree = mgr.item_metadata(step)["state"]
+    tree = getattr(tree, "tree", tree)
+    if not isinstance(tree, dict) or "params" not in (tree.get("train") or {}):
+      raise ValueError(f"checkpoint step {step} in {ckpt_dir} holds no train/params (not an rlax run checkpoint)")
+    cpu = SingleDeviceSharding(jax.devices("cpu")[0])
+    target = {"train": {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu),
+                                               tree["train"]["params"])}}
+    args = ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                     partial_restore=True),
+        meta=ocp.args.JsonRestore())
+    out = mgr.restore(step, args=args)
+  finally:
+    mgr.close()
+  return step, out["state"]["train"]["params"], dict(out["meta"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """A run's policy as one of its checkpoints holds it (`load_policy`)."""
+  step: int
+  params: Any                   # full weights; with merge_lora=False a LoRA run's adapters
+  model: models.ModelConfig     # the run's model config
+  lora: lora_lib.LoraConfig     # rank 0: the run trained every weight
+  hf_checkpoint: str            # the HF directory the run started from ("": a random init)
+  config: dict                  # the run config the checkpoint recorded (rlax.config.to_dict)
+
+
+def load_policy(workdir: str, step: Optional[int] = None, *, mesh: Optional[Mesh] = None,
+                merge_lora: bool = True) -> Policy:
+  """The policy of a run's newest (or the given) checkpoint and the model config the run recorded with it.
+
+  A LoRA run's checkpoint holds adapters: they are merged into the base the run trained (its hf_checkpoint,
+  else the seed's random init), unless merge_lora=False. With `mesh` the weights are placed in their
+  shardings on it (the base read straight into them); without, on one CPU device, so that a live training
+  job keeps its accelerators.
+  """
+  step, params, meta = restore_params(workdir, step)
+  run = meta.get("config") or {}
+  if "model" not in run:
+    raise ValueError(f"checkpoint step {step} in {workdir}: its meta has no config.model")
+  cfg = models.from_dict(run["model"])
+  saved_lora = dict(run.get("lora") or {})
+  lora = lora_lib.LoraConfig(**{**saved_lora, "targets": tuple(saved_lora.get("targets", lora_lib.TARGETS))})
+  hf_dir = run.get("hf_checkpoint") or ""
+  if lora.enabled and merge_lora:
+    if hf_dir and not os.path.isdir(hf_dir):
+      raise ValueError(f"checkpoint step {step} in {workdir} holds LoRA adapters of {hf_dir}, which does not "
+                       "exist any more; its weights are needed to merge them")
+    mesh = mesh or models.make_mesh(jax.devices("cpu")[:1], data=1, fsdp=1, tensor=1)
+    base = (hf.load_checkpoint(hf_dir, mesh, cfg=cfg)[1] if hf_dir
+            else models.create_params(cfg, mesh, seed=run.get("seed", 0)))
+    adapters = jax.device_put(params, lora_lib.adapter_shardings(cfg, lora, mesh))
+    params = jax.jit(lambda b, a: lora_lib.merge(b, a, lora))(base, adapters)
+  elif mesh is not None:
+    place = lora_lib.adapter_shardings(cfg, lora, mesh) if lora.enabled else models.param_shardings(cfg, mesh)
+    params = jax.device_put(params, place)
+  return Policy(step=step, params=params, model=cfg, lora=lora, hf_checkpoint=hf_dir, config=run)

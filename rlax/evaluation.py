@@ -1,4 +1,4 @@
-"""Periodic evaluation: n samples per prompt, graded, summarized as unbiased pass@k.
+"""Evaluation, the one module for it: n samples per prompt, graded, summarized as unbiased pass@k.
 
 pass@k (Chen et al. 2021) from n ≥ k samples of which c are correct is 1 - C(n-c, k)/C(n, k),
 computed as the product 1 - ∏_{i=n-c+1}^{n} (1 - k/i), which never forms the huge binomials.
@@ -6,20 +6,36 @@ computed as the product 1 - ∏_{i=n-c+1}^{n} (1 - k/i), which never forms the h
 reward function, and reports pass@k overall and per record source, plus the mean reward, the mean
 completion length and the truncation rate, and greedy accuracy when given a greedy generate_fn.
 `held_out` is the held-out evaluation of a policy on the sampler, the one the runtime runs before and after
-training and `launch.evaluate` runs on any model: the same numbers for the same model, data, samples and seed.
+training (`Controller.evaluate`). `evaluate_model` runs it on a model without training it (an HF directory or
+a run's checkpoint; `python -m launch.evaluate` is its command line): the same numbers for the same model,
+data, samples and seed.
+
+    evaluate_model(config, model="~/models/smollm2", data="gsm8k_test.jsonl")
+    evaluate_model(config, checkpoint="runs/smollm2", task="multiplication")
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Callable, Optional, Sequence
+import copy
+import dataclasses
+import os
+import tempfile
+from typing import Any, Callable, Optional, Sequence
 
 from absl import logging
+import ml_collections
 import numpy as np
 
+from rlax import builders
+from rlax import checkpoint as checkpoint_lib
+from rlax import config as config_lib
+from rlax.data.records import read_records
 from rlax.envs import episodes as episodes_lib
+from rlax.models import hf
 from rlax.rollout import packing
 from rlax.sampler import Greedy
+from rlax.topology import build_topology
 
 GenerateFn = Callable[[list, int], list[list[str]]]  # (records, n) → n completions each
 RewardFn = Callable[[str, object], tuple[float, dict]]
@@ -106,7 +122,7 @@ def evaluate(generate_fn: GenerateFn, records: Sequence, reward_fn: RewardFn, n:
     if len(by_source) > 1:
       for src in sorted(by_source):
         metrics[f"greedy_accuracy/{src}"] = float(np.mean([ok for r, ok in zip(records, right) if r.source == src]))
-  logging.info("evaluation: %s", {m: round(v, 4) for m, v in metrics.items()})
+  logging.vlog(1, "evaluation: %s", {m: round(v, 4) for m, v in metrics.items()})
   return metrics
 
 
@@ -127,3 +143,86 @@ def held_out(records: Sequence, *, sampler, render, reward_fn: RewardFn, pool, m
   if episodic is not None:  # how the held-out episodes went: turns, tool calls, valid-call rate, stops
     res.update(episodes_lib.batch_stats(episodic.episodes))
   return res
+
+
+_NUMERICS = ("param_dtype", "dtype", "remat", "scan_layers")  # kept from the config when --model replaces its model
+
+
+def _run_config(cfg: Any, *, model: Optional[str], task: Optional[str],
+                n_samples: Optional[int]) -> config_lib.RunConfig:
+  """`cfg` (a ConfigDict or a typed RunConfig) with the overrides applied, in a scratch workdir: evaluation
+  writes nothing a run keeps."""
+  workdir = tempfile.mkdtemp(prefix="rlax-eval-")
+  model = os.path.abspath(os.path.expanduser(model)) if model else None
+  if not isinstance(cfg, config_lib.RunConfig):
+    cd = ml_collections.ConfigDict(copy.deepcopy(cfg))  # the caller's config stays as given
+    with cd.unlocked():
+      if model:
+        cd.model.hf_checkpoint = model
+      if task:
+        cd.data.task, cd.data.train_files, cd.data.eval_files = task, "", ""
+      if n_samples:
+        cd.eval.n_samples = int(n_samples)
+      cd.workdir = workdir
+    return config_lib.load(cd)
+  run = cfg.replace(workdir=workdir)
+  if model:
+    if not os.path.isfile(os.path.join(model, "config.json")):
+      raise ValueError(f"--model={model}: no config.json there (an HF model directory is needed)")
+    shape = hf.read_config(model).replace(**{k: getattr(run.model, k) for k in _NUMERICS})
+    run = run.replace(model=shape, hf_checkpoint=model, model_preset="hf")
+  if task:
+    run = run.replace(data=dataclasses.replace(run.data, task=task, train_files="", eval_files=""))
+  if n_samples:
+    run = run.replace(eval=dataclasses.replace(run.eval, n_samples=int(n_samples)))
+  config_lib.validate(run)
+  return run
+
+
+def evaluate_model(cfg: Any, *, model: Optional[str] = None, checkpoint: Optional[str] = None,
+                   step: Optional[int] = None, data: Optional[str] = None, task: Optional[str] = None,
+                   n_samples: Optional[int] = None, greedy: bool = True, n_prompts: int = 0) -> dict:
+  """Held-out metrics of a model as one dict: pass@1, pass@n (unbiased), greedy accuracy, mean reward, mean
+  length, truncation rate, per source where there are several.
+
+  cfg: a run config, a ConfigDict or a typed `rlax.config.RunConfig` (its sampling, reward, template and eval
+  sections apply); model: an HF directory; checkpoint: a run's workdir (its newest checkpoint, or `step`, read
+  by `rlax.checkpoint.load_policy`; `cfg` should be the config it trained with: its model must match); data:
+  comma-separated files (every record, columns as `cfg`'s data section maps them); task: a task name (its
+  held-out set as a run draws it); neither: `cfg`'s held-out set. n_prompts > 0: the first n_prompts records.
+  """
+  if model and checkpoint:
+    raise ValueError("give --model (an HF directory) or --checkpoint (a run's workdir), not both")
+  if data and task:
+    raise ValueError("give --data (files) or --task (a task name), not both")
+  run = _run_config(cfg, model=model, task=task, n_samples=n_samples)
+  tok = builders.tokenizer(run)
+  render = builders.renderer(run, tok)
+  if data:
+    records = [r for path in data.split(",") if path.strip() for r in read_records(path.strip(), run.data.columns())]
+  else:
+    records = builders.datasets(run)[1]
+  records, dropped = render.fitting(records[:n_prompts] if n_prompts > 0 else records, run.rollout.max_prompt_len)
+  if not records:
+    raise ValueError(f"no record fits rollout.max_prompt_len={run.rollout.max_prompt_len} tokens")
+  mesh = build_topology(run.topology).sampler_mesh
+  if checkpoint:
+    policy = checkpoint_lib.load_policy(checkpoint, step, mesh=mesh)
+    if policy.model != run.model:
+      raise ValueError(f"--checkpoint={checkpoint} holds a different model than --config builds (pass the config "
+                       "the run trained with)")
+    params, source = policy.params, f"{os.path.abspath(checkpoint)}@{policy.step}"
+  else:
+    params, source = builders.initial_params(run, mesh), run.hf_checkpoint or "init"
+  sampler = builders.sampler(run, mesh, tok)
+  sampler.update_weights(params, 0)
+  pool = builders.verifier_pool(run)
+  try:
+    reward_fn = builders.reward_fn(run)
+    res = held_out(records, sampler=sampler, render=render, reward_fn=reward_fn, pool=pool,
+                   method=builders.eval_method(run), n=run.eval.n_samples, seed=run.seed + 1,
+                   episodes=builders.episodes(run, tok, render, reward_fn, pool), greedy=greedy)
+  finally:
+    pool.close()
+  return {"model": source, "data": data or run.data.task, "n_samples": run.eval.n_samples,
+          "prompts_dropped": dropped, **res}

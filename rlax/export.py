@@ -1,9 +1,10 @@
 """Export a policy as a Hugging Face model directory that transformers (and vLLM) load as is.
 
 `export_hf` writes config.json + safetensors (rlax.models.hf), the tokenizer files, the chat template and
-generation_config.json. `export_checkpoint` does it for a run's checkpoint: it restores only the params
-(onto one CPU device, so a live training job keeps its accelerators) and picks the tokenizer the run
-trained with: the files of the HF directory it started from, else the demo tokenizer.
+generation_config.json. `export_checkpoint` does it for a run's checkpoint, read by
+`rlax.checkpoint.load_policy` (only the params, onto one CPU device, so a live training job keeps its
+accelerators), with the tokenizer the run trained with: the files of the HF directory it started from, else
+the demo tokenizer.
 
 The export is written into `<out_dir>.tmp` and renamed into place, so a crash never leaves a directory
 that looks complete; an earlier export at `out_dir` is replaced.
@@ -16,12 +17,7 @@ import os
 import shutil
 from typing import Any, Optional
 
-import jax
-from jax.sharding import SingleDeviceSharding
-import orbax.checkpoint as ocp
-
-from rlax import models as models_lib
-from rlax.models import config as model_config
+from rlax import checkpoint
 from rlax.models import hf
 from rlax.models import lora as lora_lib
 from rlax.models.config import ModelConfig
@@ -169,49 +165,6 @@ def export_peft(adapters: Any, lora: lora_lib.LoraConfig, out_dir: str, *, base_
   return sorted(os.listdir(final))
 
 
-def _checkpoints(workdir: str) -> tuple[str, ocp.CheckpointManager]:
-  ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
-  if not os.path.isdir(ckpt_dir):
-    raise ValueError(f"workdir {workdir} has no checkpoints (no directory {ckpt_dir})")
-  # read_only: the run may still be writing checkpoints here.
-  mgr = ocp.CheckpointManager(
-      ckpt_dir, options=ocp.CheckpointManagerOptions(read_only=True),
-      item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
-  return ckpt_dir, mgr
-
-
-def restore_params(workdir: str, step: Optional[int] = None) -> tuple[int, Any, dict]:
-  """(step, params on one CPU device, meta) of the newest (or the given) finished checkpoint of a run.
-
-  Only the params are read (orbax partial restore): the optimizer state and queued rollouts stay on disk.
-  """
-  ckpt_dir, mgr = _checkpoints(workdir)
-  try:
-    steps = sorted(mgr.all_steps())
-    if not steps:
-      raise ValueError(f"workdir {workdir} has no finished checkpoint in {ckpt_dir}")
-    if step is None:
-      step = steps[-1]
-    elif step not in steps:
-      raise ValueError(f"workdir {workdir} has no checkpoint of step {step}; its checkpoints are steps "
-                       f"{', '.join(map(str, steps))}")
-    tree = mgr.item_metadata(step)["state"]
-    tree = getattr(tree, "tree", tree)
-    if not isinstance(tree, dict) or "params" not in (tree.get("train") or {}):
-      raise ValueError(f"checkpoint step {step} in {ckpt_dir} holds no train/params (not an rlax run checkpoint)")
-    cpu = SingleDeviceSharding(jax.devices("cpu")[0])
-    target = {"train": {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu),
-                                               tree["train"]["params"])}}
-    args = ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                     partial_restore=True),
-        meta=ocp.args.JsonRestore())
-    out = mgr.restore(step, args=args)
-  finally:
-    mgr.close()
-  return step, out["state"]["train"]["params"], dict(out["meta"])
-
-
 def export_checkpoint(workdir: str, out_dir: str, step: Optional[int] = None, *,
                       dtype: Optional[str] = None, lora: str = "merged") -> dict:
   """Exports a run's newest (or the given) checkpoint as an HF directory at `out_dir`.
@@ -224,31 +177,18 @@ def export_checkpoint(workdir: str, out_dir: str, step: Optional[int] = None, *,
   """
   if lora not in ("merged", "adapter"):
     raise ValueError(f"--lora={lora!r}: use merged or adapter")
-  step, params, meta = restore_params(workdir, step)
-  run_cfg = meta.get("config") or {}
-  if "model" not in run_cfg:
-    raise ValueError(f"checkpoint step {step} in {workdir}: its meta has no config.model")
-  cfg = model_config.from_dict(run_cfg["model"])
-  hf_dir = run_cfg.get("hf_checkpoint", "") or ""
+  policy = checkpoint.load_policy(workdir, step, merge_lora=lora == "merged")
+  step, hf_dir = policy.step, policy.hf_checkpoint
   if hf_dir and not os.path.isdir(hf_dir):
     raise ValueError(f"checkpoint step {step} was trained from {hf_dir}, which does not exist any more; "
-                     "its tokenizer files (and, for adapters, its weights) are needed for the export")
-  lc = run_cfg.get("lora") or {}
-  adapters = lc.get("rank", 0) > 0
-  if lora == "adapter" and not adapters:
-    raise ValueError(f"checkpoint step {step} in {workdir} holds full weights, no adapters (--lora=adapter)")
-  if adapters:
-    lcfg = lora_lib.LoraConfig(rank=lc["rank"], alpha=lc["alpha"], dropout=lc["dropout"], targets=tuple(lc["targets"]))
-    if lora == "adapter":
-      files = export_peft(params, lcfg, out_dir, base_model=hf_dir)
-      return {"step": step, "export_dir": os.path.abspath(out_dir), "files": files}
-    cpu = jax.devices("cpu")[0]
-    base = (hf.load_checkpoint(hf_dir, cfg=cfg)[1] if hf_dir else
-            jax.device_put(models_lib.create_params(cfg, seed=run_cfg.get("seed", 0)), cpu))
-    params = jax.jit(lambda b, a: lora_lib.merge(b, a, lcfg))(base, jax.device_put(params, cpu))
-  if hf_dir:
-    files = export_hf(params, cfg, out_dir, tokenizer_dir=hf_dir, dtype=dtype)
+                     "its tokenizer files are needed for the export")
+  if lora == "adapter":
+    if not policy.lora.enabled:
+      raise ValueError(f"checkpoint step {step} in {workdir} holds full weights, no adapters (--lora=adapter)")
+    files = export_peft(policy.params, policy.lora, out_dir, base_model=hf_dir)
+  elif hf_dir:
+    files = export_hf(policy.params, policy.model, out_dir, tokenizer_dir=hf_dir, dtype=dtype)
   else:
     from rlax.data.tokenizer import demo_tokenizer  # the built-in tasks' tokenizer
-    files = export_hf(params, cfg, out_dir, tokenizer=demo_tokenizer(), dtype=dtype)
+    files = export_hf(policy.params, policy.model, out_dir, tokenizer=demo_tokenizer(), dtype=dtype)
   return {"step": step, "export_dir": os.path.abspath(out_dir), "files": files}

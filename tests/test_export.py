@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from configs import demo
 from harness import hf_models
+from rlax import checkpoint
 from rlax import export
 from rlax import models as M
 from rlax.data.tokenizer import demo_tokenizer
@@ -169,11 +170,15 @@ def test_export_checkpoint_matches_the_trained_params(run, tmp_path):
   theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
   assert theirs.encode("3 1 2") == demo_tokenizer().encode("3 1 2")
 
-  step, restored, meta = export.restore_params(workdir, 1)  # only the params, on one CPU device
+  step, restored, meta = checkpoint.restore_params(workdir, 1)  # only the params, on one CPU device
   assert step == 1 and meta["step"] == 1 and set(restored) == set(final)
   assert {leaf.sharding for leaf in jax.tree.leaves(restored)} == {
       jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])}
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(final)))
+  policy = checkpoint.load_policy(workdir)  # the newest, with the model config the run recorded
+  assert policy.step == 2 and (policy.model.vocab_size, policy.model.d_model, policy.model.n_layers) == (128, 32, 1)
+  assert not policy.lora.enabled and policy.hf_checkpoint == ""
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), policy.params, final)
 
 
 def test_missing_checkpoints_are_one_clear_error(run, tmp_path):

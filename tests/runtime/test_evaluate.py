@@ -8,9 +8,10 @@ import sys
 
 from configs import base
 from harness import hf_models
+from rlax import config as config_lib
 from rlax.data.records import Record, write_jsonl
 from rlax.runtime import Controller
-from rlax.runtime.evaluate import evaluate_model
+from rlax.evaluation import evaluate_model
 
 PROMPTS = ["what is two plus two?", "solve twelve plus thirty", "the cat sat on the mat", "hi", "what is two?",
            "solve the cat", "two plus the mat", "sat on two"]
@@ -50,6 +51,24 @@ def test_evaluate_equals_the_runtime_before_and_after(tmp_path, monkeypatch):
     assert {"pass@1", "pass@4", "greedy_accuracy", "mean_length", "truncation_rate", "pass@1/s0"} <= set(got)
   assert after["model"].endswith("run@1") and before["model"] == str(src)
   assert 0 < before["mean_reward"] < 1 and 0 <= before["truncation_rate"] <= 1 and before["mean_length"] > 0
+
+
+def test_evaluate_takes_a_typed_run_config(tmp_path, monkeypatch):
+  """A RunConfig (as `config.load` returns it) evaluates as its ConfigDict does, --model replacing its model."""
+  (tmp_path / "eval_rewards.py").write_text(REWARD)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  src = tmp_path / "src"
+  hf_models.make_dir(src, "llama", True)
+  write_jsonl([Record(id=str(i), prompt=p, answer="four", source=f"s{i % 2}") for i, p in enumerate(PROMPTS)],
+              str(tmp_path / "train.jsonl"))
+  cd = _config(tmp_path / "x", src, tmp_path / "train.jsonl")
+  want = evaluate_model(cd, n_samples=2, n_prompts=3, greedy=False)
+  assert cd.workdir == str(tmp_path / "x") and cd.eval.n_samples == 4  # the caller's config stays as given
+  cd.model.hf_checkpoint = ""  # a random-init preset, replaced by --model
+  run = config_lib.load(cd)
+  got = evaluate_model(run, model=str(src), n_samples=2, n_prompts=3, greedy=False)
+  assert got == want and got["model"] == str(src) and got["n_samples"] == 2 and "pass@2" in got
+  assert run.hf_checkpoint == "" and run.eval.n_samples == 4
 
 
 def test_evaluate_command_is_one_error_line_on_bad_input(tmp_path):
