@@ -55,7 +55,8 @@ def main(argv):
   import jax
   from rlax.checkpoint import CheckpointError
   from rlax.runtime import Controller, NonFiniteError
-  logging.set_verbosity(logging.INFO)
+  if not flags.FLAGS["verbosity"].present:  # one-time facts; per-step details at --verbosity=1
+    logging.set_verbosity(logging.INFO)
   # orbax logs every file operation at INFO; keep its warnings only, and its errors without the traceback
   # (rlax raises the same failure as one CheckpointError line).
   logging.get_absl_handler().addFilter(_quiet_orbax)

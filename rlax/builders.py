@@ -17,6 +17,7 @@ import numpy as np
 from rlax import models
 from rlax import envs
 from rlax import rewards
+from rlax import run as run_lib
 from rlax.algorithms import AlgorithmConfig
 from rlax.config import RunConfig
 from rlax.data import synthetic
@@ -33,6 +34,7 @@ from rlax.rollout import packing
 from rlax.sampler import Sampler
 from rlax.sampler import sizing
 from rlax.sampler.engine import make_layout
+from rlax.sampler import strategies
 from rlax.sampler.strategies import SamplingMethod
 from rlax.topology import Topology
 from rlax.trainer import OptimizerConfig, Trainer
@@ -150,59 +152,14 @@ def weights_dtype(run: RunConfig):
 
 
 def trainer(run: RunConfig, mesh) -> Trainer:
+  """The RL trainer on `mesh`, with the run's batch shapes fixed (rlax.run.train_plan; `compile_ahead` compiles
+  them)."""
   o, r = run.optimizer, run.rollout
-  return Trainer(run.model, run.algorithm, o.optimizer(run.controller.steps), mesh, group_size=r.samples_per_prompt,
-                 micro_batches=o.micro_batches, micro_batch_tokens=o.micro_batch_tokens, temperature=r.temperature,
-                 lora=run.lora, lora_seed=run.seed)
-
-
-def pack_lens(run: RunConfig) -> tuple[int, ...]:
-  """Packed trainer row lengths to choose from per batch (rlax.rollout.packing.for_trainer); () for padded
-  rows (optimizer.pack_tokens = 0). -1: the padded row length and room for a whole group (auto_row_lens)."""
-  p, r = run.optimizer.pack_tokens, run.rollout
-  if p != -1:
-    return (p,) if p else ()
-  return packing.auto_row_lens(run.model, r.max_prompt_len, r.max_new_tokens, r.samples_per_prompt,
-                               run.optimizer.share_prompts)
-
-
-def pack_len(run: RunConfig) -> int:
-  """The longest packed row length (0: padded rows)."""
-  return max(pack_lens(run), default=0)
-
-
-def packed_shape(run: RunConfig, trainer: Trainer) -> tuple[int, int, int]:
-  """(rows, row length, scored slots) of the largest packed batch `run` makes: every sequence at its full
-  length and none sharing a prompt (what memory and the plan are sized for)."""
-  r, seq = run.rollout, run.rollout.max_prompt_len + run.rollout.max_new_tokens
-  shapes = []
-  for L in pack_lens(run):
-    rows = packing.row_bucket(-(-r.rows // max(1, L // seq)), trainer.packed_rows_multiple())
-    # A longer row can hold up to L - 1 response slots (many answers after one short prompt).
-    shapes.append((rows, L, packing.slot_bucket(r.max_new_tokens if L < 2 * seq else L - 1, L)))
-  return max(shapes, key=lambda s: packing.row_cost(run.model, s[0], s[1]))
-
-
-def worst_packed_rows(run: RunConfig, trainer: Trainer) -> int:
-  """The packed batch's row count (a row bucket up to `packed_shape`'s) whose micro-batch holds the most rows
-  per device: a smaller batch can split into fewer, larger micro-batches (under a 4096-token budget, 6 rows
-  of 640 are one micro-batch of 6, 7 rows seven of 1). Memory is sized for its micro-batch."""
-  R, L, _ = packed_shape(run, trainer)
-  counts = [n for n in {packing.row_bucket(k, trainer.packed_rows_multiple()) for k in range(1, R + 1)}
-            if n <= R and n % trainer.micro_batches == 0] or [R]
-  per_micro = lambda n: n // shd.row_shards(trainer.mesh, n) // trainer.num_micro_batches(n, L)
-  return max(sorted(counts, reverse=True), key=per_micro)
-
-
-def abstract_train_batch(run: RunConfig, trainer: Trainer, rows: Optional[int] = None):
-  """The largest batch `run` trains on, as `trainer.place` lays it out (ShapeDtypeStructs): packed rows
-  (`packed_shape`; `rows` of them if given) or, with optimizer.pack_tokens = 0, padded ones. The plan is
-  sized for it."""
-  r, kl = run.rollout, run.algorithm.kl_coef > 0
-  if pack_len(run):
-    R, L, K = packed_shape(run, trainer)
-    return trainer.abstract_packed(rows or R, L, K, r.rows, with_ref=kl, max_len=r.max_new_tokens)
-  return trainer.abstract_batch(r.rows, r.max_prompt_len + r.max_new_tokens, with_ref=kl, prompt_len=r.max_prompt_len)
+  tr = Trainer(run.model, run.algorithm, o.optimizer(run.controller.steps), mesh, group_size=r.samples_per_prompt,
+               micro_batches=o.micro_batches, micro_batch_tokens=o.micro_batch_tokens, temperature=r.temperature,
+               lora=run.lora, lora_seed=run.seed)
+  tr.fix_shapes(run_lib.train_plan(run, tr).abstract(tr, with_ref=run.algorithm.kl_coef > 0))
+  return tr
 
 
 def sft_trainer(run: RunConfig, mesh) -> Trainer:
@@ -245,6 +202,15 @@ def sampling_method(run: RunConfig) -> SamplingMethod:
 
 def eval_method(run: RunConfig) -> SamplingMethod:
   return packing.strategy(run.eval.temperature)
+
+
+def sampler_uses(run: RunConfig) -> tuple[tuple[int, SamplingMethod], ...]:
+  """(samples per group, strategy) of every way the run samples: rollouts, evaluation, greedy evaluation
+  (what `Sampler.warm_up` compiles ahead)."""
+  uses = [(run.rollout.samples_per_prompt, sampling_method(run)), (run.eval.n_samples, eval_method(run))]
+  if run.eval.greedy:
+    uses.append((1, strategies.Greedy()))
+  return tuple(dict.fromkeys(uses))
 
 
 # -- the parts a process holds -------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from jax.sharding import AbstractMesh
 
 from rlax import builders
 from rlax import models
+from rlax import run as run_lib
 from rlax.config import RunConfig
 from rlax.models import sharding as shd
 from rlax.sampler import layouts, sizing
@@ -155,13 +156,12 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   trainer = builders.trainer(run, mesh)  # the runtime's own layouts
   state = trainer.abstract_state()
   kl = run.algorithm.kl_coef > 0
-  batch = builders.abstract_train_batch(run, trainer)  # packed rows at their largest, or padded rows
-  rows_all, seq = batch.tokens.shape
-  packed = builders.pack_len(run) > 0
-  slots = batch.loss_mask.shape[1] if packed else r.max_new_tokens
-  n_micro = trainer.num_micro_batches(rows_all, seq)
-  worst = builders.worst_packed_rows(run, trainer) if packed else rows_all  # the largest micro-batch's batch
-  rows = worst // shd.row_shards(mesh, worst) // trainer.num_micro_batches(worst, seq)  # per device and micro-batch
+  plan = run_lib.train_plan(run, trainer)  # the run's own programs
+  prog, batch = plan.largest_micro_batch(mesh), plan.largest_abstract(trainer, with_ref=kl)
+  rows_all, seq, n_micro = prog.rows, prog.length, prog.micro_batches
+  packed = prog.packed is not None
+  slots = prog.packed.slots if packed else r.max_new_tokens
+  rows = prog.micro_rows // shd.row_shards(mesh, prog.rows)  # per device and micro-batch
   live = 1  # micro-batches are a scan: one is live (rlax.trainer.state.accumulate_gradients)
   tensor = dict(mesh.shape)["tensor"]
   isz = _act_itemsize(cfg, platform)

@@ -30,6 +30,7 @@ from rlax import builders
 from rlax import config as config_lib
 from rlax import models
 from rlax import planning_sync
+from rlax import run as run_lib
 from rlax.multihost import CrossMeshPush
 from rlax.sampler import Sampler, Temperature, layouts, paged, sizing
 from rlax.topology import Topology, build_topology
@@ -149,9 +150,9 @@ def build_sampler(c: config_lib.RunConfig, mesh: Mesh, scan: bool | None = None)
 
 
 def trainer_program(c: config_lib.RunConfig, trainer: Trainer, chip: Chip) -> jax.stages.Lowered:
-  """`trainer`'s RL step lowered for one global batch; fails fast (before a compile that takes minutes at 32B)
+  """`trainer`'s RL step lowered for the run's batch whose micro-batch is largest (rlax.run.train_plan); fails fast (before a compile that takes minutes at 32B)
   when the train state alone exceeds HBM."""
-  batch = builders.abstract_train_batch(c, trainer)
+  batch = run_lib.train_plan(c, trainer).largest_abstract(trainer, with_ref=c.algorithm.kl_coef > 0)
   state = trainer.abstract_state()
   resident = sum(planning_sync.shard_bytes(x) for x in jax.tree.leaves(state))
   if resident > chip.hbm_bytes:

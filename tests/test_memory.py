@@ -12,6 +12,7 @@ import pytest
 from rlax import builders
 from rlax import config as config_lib
 from rlax import memory
+from rlax import run as run_lib
 from rlax import models
 from rlax.sampler import Temperature, sizing
 from rlax.topology import build_topology
@@ -95,8 +96,8 @@ def test_estimate_within_factor_of_compiled_programs(case):
   r = run.rollout
   devs = jax.devices()
   trainer = builders.trainer(run, _mesh(run, "trainer", devs[:n_t]))
-  rows = builders.worst_packed_rows(run, trainer) if builders.pack_len(run) else None  # the largest micro-batch
-  step = trainer.lower_step(trainer.abstract_state(), builders.abstract_train_batch(run, trainer, rows)).compile()
+  batch = run_lib.train_plan(run, trainer).largest_abstract(trainer, with_ref=False)  # the largest micro-batch
+  step = trainer.lower_step(trainer.abstract_state(), batch).compile()
   ratio = (est.trainer_bytes - est.trainer["ref_params"]) / _peak(step)
   assert LOW <= ratio <= HIGH, (case, "trainer", ratio, est.summary())
 
@@ -124,22 +125,22 @@ def test_remat_and_micro_batches_on_cpu_and_elsewhere():
   assert est(256)["activations"] == pytest.approx(est(0)["activations"] / 8, rel=1e-6)
 
 
-def test_a_smaller_packed_batch_in_fewer_larger_micro_batches_sizes_the_activations():
-  """Packed batches come in every row bucket: under a 1024-token budget, 3 rows of 320 are one micro-batch of
-  3 while the largest batch's 4 rows are two of 2. The estimate is sized for the largest micro-batch."""
+def test_the_estimate_is_sized_for_the_programs_largest_micro_batch():
+  """A run has one packed program per row length and the padded one where packing may not pay; the estimate
+  is sized for the program whose micro-batch holds the most tokens, and its compiled step is the largest."""
   run = _run(rollout=dict(prompts_per_step=4, samples_per_prompt=4, max_prompt_len=32, max_new_tokens=48),
-             optimizer=dict(pack_tokens=320, micro_batch_tokens=1024))
+             optimizer=dict(pack_tokens=320, micro_batch_tokens=1024, share_prompts=False))
   trainer = builders.trainer(run, None)
-  R, L, _ = builders.packed_shape(run, trainer)
-  worst = builders.worst_packed_rows(run, trainer)
-  per_micro = lambda n: n // trainer.num_micro_batches(n, L)
-  assert per_micro(worst) == max(per_micro(n) for n in range(1, R + 1)) and per_micro(worst) > per_micro(R), (R, worst)
+  plan = run_lib.train_plan(run, trainer)
+  assert [(p.rows, p.length, p.micro_batches) for p in plan.programs] == [(18, 320, 6), (16, 80, 2)]
+  big = plan.largest_micro_batch(None)
   est = memory.estimate(run, 1, 1)
-  assert f"at most {per_micro(worst)} rows x {L} tokens" in est.notes["trainer.activations"]
-  peak = lambda rows: _peak(trainer.lower_step(trainer.abstract_state(),
-                                               builders.abstract_train_batch(run, trainer, rows)).compile())
-  assert peak(worst) > peak(R)  # the smaller batch's compiled step needs more memory
-  assert LOW <= est.trainer_bytes / peak(worst) <= HIGH, est.summary()
+  assert f"at most {big.micro_rows} rows x {big.length} tokens" in est.notes["trainer.activations"]
+  peaks = [_peak(trainer.lower_step(trainer.abstract_state(), b).compile())
+           for b, _ in plan.abstract(trainer, with_ref=False)]
+  assert max(peaks) == _peak(trainer.lower_step(trainer.abstract_state(),
+                                                plan.largest_abstract(trainer, with_ref=False)).compile())
+  assert LOW <= est.trainer_bytes / max(peaks) <= HIGH, est.summary()
 
 
 def test_peak_memory_falls_as_micro_batch_tokens_fall():
@@ -150,7 +151,8 @@ def test_peak_memory_falls_as_micro_batch_tokens_fall():
     run = _run(model=dict(vocab_size=512, n_layers=2), optimizer=dict(micro_batch_tokens=tokens))
     r = run.rollout
     trainer = builders.trainer(run, None)
-    step = trainer.lower_step(trainer.abstract_state(), builders.abstract_train_batch(run, trainer)).compile()
+    step = trainer.lower_step(trainer.abstract_state(),
+                              run_lib.train_plan(run, trainer).largest_abstract(trainer, with_ref=False)).compile()
     peaks.append(_peak(step))
     ests.append(memory.estimate(run, 1, 1).trainer_bytes)
     assert trainer.num_micro_batches(r.rows, 128) == max(1, 2048 // max(tokens, 1) if tokens else 1)

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import paper_qwq32b
 from rlax import builders
+from rlax import run as run_lib
 from rlax import config as config_lib
 from rlax import models as M
 from rlax import planning
@@ -66,8 +67,10 @@ def test_trainer_memory_matches_parameter_count(local_plan):
   # The packed rows of real tokens at their largest: 4 int32 [R, L] model inputs, 3 int32 and 2 (3 with a
   # reference) f32 [R, K] scored-slot fields, 3 per-sequence [16] fields.
   run = config_lib.load(c)
-  R, L, K = builders.packed_shape(run, builders.trainer(run, mesh))
-  assert (R, L) == (16, 32) or L >= 32, (R, L, K)
+  trainer = builders.trainer(run, mesh)
+  prog = run_lib.train_plan(run, trainer).largest_micro_batch(mesh)
+  R, L = prog.rows, prog.length
+  K = prog.packed.slots if prog.packed else L - 1
   row_sh = NamedSharding(mesh, P(("data", "fsdp")))
   f32_slots = 3 if run.algorithm.kl_coef > 0 else 2
   batch = (4 * _shard_bytes((R, L), jnp.int32, row_sh) + (3 + f32_slots) * _shard_bytes((R, K), jnp.int32, row_sh)

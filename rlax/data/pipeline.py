@@ -71,7 +71,7 @@ def make_dataset(sources: Sources, *, seed: int, weights=None, shard_index: int 
   ds = ds[shard_index::shard_count]
   if transform is not None:
     ds = ds.map(transform)
-  logging.info("data stream: sources=%s weights=%s seed=%d shard=%d/%d epochs=%s", names, w, seed,
+  logging.vlog(1, "data stream: sources=%s weights=%s seed=%d shard=%d/%d epochs=%s", names, w, seed,
                shard_index, shard_count, num_epochs)
   return ds
 

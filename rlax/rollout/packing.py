@@ -7,6 +7,7 @@ its mesh with one `device_put` — one host→device crossing per rollout.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -97,8 +98,10 @@ def _sequences(batch: RolloutBatch) -> list[tuple[np.ndarray, int, int]]:
   return out
 
 
-def _pieces(batch: RolloutBatch, seqs, share: bool, row_len: int) -> list[tuple[np.ndarray, list[int]]]:
-  """Pieces of (prompt, member rows): one prompt, then the responses that attend to it, within row_len."""
+def _pieces(batch: RolloutBatch, seqs, share: bool, row_len: int, slot_cap: int
+            ) -> list[tuple[np.ndarray, list[int]]]:
+  """Pieces of (prompt, member rows): one prompt, then the responses that attend to it, within row_len tokens
+  and slot_cap scored slots."""
   groups: dict = {}
   for b, (prompt, _, n) in enumerate(seqs):
     if n == 0:
@@ -111,14 +114,14 @@ def _pieces(batch: RolloutBatch, seqs, share: bool, row_len: int) -> list[tuple[
   pieces = []
   for members in groups.values():
     prompt = seqs[members[0]][0]
-    cur, used = [], len(prompt)
+    cur, used, scored = [], len(prompt), 0
     for b in members:
       n = seqs[b][2]
-      if cur and used + n > row_len:
+      if cur and (used + n > row_len or scored + n > slot_cap):
         pieces.append((prompt, cur))
-        cur, used = [], len(prompt)
+        cur, used, scored = [], len(prompt), 0
       cur.append(b)
-      used += n
+      used, scored = used + n, scored + n
     pieces.append((prompt, cur))
   return pieces
 
@@ -158,32 +161,77 @@ def row_cost(cfg, rows: int, row_len: int) -> float:
   return rows * row_len * (2.0 * _layer_weights(cfg) + 4.0 * row_len * cfg.n_heads * cfg.head_dim)
 
 
-def pack_tokens(batch: RolloutBatch, row_len: int, *, share_prompts: bool = True, row_multiple: int = 1
-                ) -> PackedBatch:
+@dataclasses.dataclass(frozen=True)
+class PackedShape:
+  """A fixed packed batch: `rows` rows of `length` tokens with `slots` scored slots each, real rows laid out at
+  `order` (rlax.trainer.state.fill_order: whole micro-batches first). The resolved run decides them."""
+  length: int
+  rows: int
+  slots: int
+  order: tuple[int, ...] = ()
+
+
+def pack_tokens(batch: RolloutBatch, row_len: int | PackedShape, *, share_prompts: bool = True,
+                row_multiple: int = 1) -> PackedBatch:
   """The padded numpy batch as rows of `row_len` real tokens (first-fit decreasing), on the host.
 
   With share_prompts, the responses of one group whose prompts are equal follow one copy of the prompt and
-  attend to it (the same hidden states and gradients as separate copies, computed once). Rows are
-  `row_bucket(rows, row_multiple)`, scored slots per row `slot_bucket`. Sequences with no response token get
-  no slots. Raises ValueError naming the knob if a sequence does not fit.
+  attend to it (the same hidden states and gradients as separate copies, computed once). `row_len` a
+  `PackedShape`: exactly its rows and slots (a row holds at most `slots` scored slots; ValueError if the batch
+  needs more rows); an int: `row_bucket(rows, row_multiple)` rows and `slot_bucket` slots. Sequences with no
+  response token get no slots. Raises ValueError naming the knob if a sequence does not fit.
   """
+  fixed = row_len if isinstance(row_len, PackedShape) else None
+  row_len = fixed.length if fixed else row_len
+  slot_cap = fixed.slots if fixed else row_len
   batch.check()
   seqs = _sequences(batch)
-  pieces = sorted(_pieces(batch, seqs, share_prompts, row_len),
+  pieces = sorted(_pieces(batch, seqs, share_prompts, row_len, slot_cap),
                   key=lambda pc: -(len(pc[0]) + sum(seqs[b][2] for b in pc[1])))
   rows: list[list] = []
   free: list[int] = []
-  for pc in pieces:
-    size = len(pc[0]) + sum(seqs[b][2] for b in pc[1])
-    r = next((i for i, f in enumerate(free) if f >= size), None)
-    if r is None:
-      rows.append([])
-      free.append(row_len)
-      r = len(rows) - 1
-    rows[r].append(pc)
-    free[r] -= size
-  R = row_bucket(len(rows), row_multiple)
-  K = slot_bucket(max([row_len - f - sum(len(pc[0]) for pc in row) for row, f in zip(rows, free)] + [1]), row_len)
+  room: list[int] = []  # scored slots left
+  n_of = lambda b: seqs[b][2]
+
+  def place(r: int, prompt, members) -> None:
+    rows[r].append((prompt, members))
+    free[r] -= len(prompt) + sum(map(n_of, members))
+    room[r] -= sum(map(n_of, members))
+
+  for prompt, members in pieces:
+    members = sorted(members, key=n_of, reverse=True)
+    while members:
+      size, n = len(prompt) + sum(map(n_of, members)), sum(map(n_of, members))
+      r = next((i for i, (f, k) in enumerate(zip(free, room)) if f >= size and k >= n), None)
+      if r is None and len(members) > 1:
+        # The piece fits no row whole: the roomiest row that holds its prompt and a response takes what fits
+        # (a prompt copy costs less than a new row, and the trainer computes whole rows).
+        fits = lambda i: free[i] >= len(prompt) + n_of(members[-1]) and room[i] >= n_of(members[-1])
+        r = max(filter(fits, range(len(rows))), key=lambda i: free[i], default=None)
+        if r is not None:
+          take, f, k = [], free[r] - len(prompt), room[r]
+          for b in members:
+            if n_of(b) <= min(f, k):
+              take.append(b)
+              f, k = f - n_of(b), k - n_of(b)
+          place(r, prompt, take)
+          members = [b for b in members if b not in take]
+          continue
+      if r is None:
+        rows.append([])
+        free.append(row_len)
+        room.append(slot_cap)
+        r = len(rows) - 1
+      place(r, prompt, members)
+      members = []
+  if fixed:
+    if len(rows) > fixed.rows:
+      raise ValueError(f"the batch packs into {len(rows)} rows of {row_len} tokens; its program has {fixed.rows}")
+    R, K, at = fixed.rows, fixed.slots, np.asarray(fixed.order or range(R))
+  else:
+    R = row_bucket(len(rows), row_multiple)
+    K = slot_bucket(max([slot_cap - k for k in room] + [1]), row_len)
+    at = np.arange(R)
   B = batch.batch_size
   tok, lm = np.asarray(batch.tokens), np.asarray(batch.loss_mask, np.float32)
   forks = np.zeros(tok.shape, np.int32) if batch.forks is None else np.asarray(batch.forks)
@@ -198,8 +246,8 @@ def pack_tokens(batch: RolloutBatch, row_len: int, *, share_prompts: bool = True
   out = dict(tokens=z((R, row_len)), positions=z((R, row_len)), segment_ids=z((R, row_len)),
              parents=z((R, row_len)), score_index=z((R, K)), targets=z((R, K)), seq=z((R, K), B))
   out.update({k: z((R, K), 0.0, np.float32) for k in per_tok})
-  for r, row in enumerate(rows):
-    o, k, sid = 0, 0, 0
+  for q, row in enumerate(rows):
+    r, o, k, sid = at[q], 0, 0, 0
     for prompt, members in row:
       p = len(prompt)
       sid += 1
@@ -232,21 +280,41 @@ def pack_tokens(batch: RolloutBatch, row_len: int, *, share_prompts: bool = True
 
 
 def auto_row_lens(cfg, prompt_len: int, new_tokens: int, group: int, share_prompts: bool) -> tuple[int, ...]:
-  """The row lengths `for_trainer` chooses from: the padded row (prompt_len + new_tokens) and, when prompts are
-  shared, room for a whole group (one prompt + its G responses, rounded to 128) as long as attending over the
-  row costs at most a quarter of a token's matmul FLOPs (4 L H Dh <= 2 N_layer / 4)."""
+  """The packed row length of a run: the padded row (prompt_len + new_tokens) or, when prompts are shared, room
+  for a whole group (one prompt + its G responses, rounded to 128) as long as attending over the row costs at
+  most a quarter of a token's matmul FLOPs (4 L H Dh <= 2 N_layer / 4). One length: one program."""
   seq = prompt_len + new_tokens
   if not share_prompts:
     return (seq,)
   whole = -(-(prompt_len + group * new_tokens) // 128) * 128
   cap = _layer_weights(cfg) // (8 * cfg.n_heads * cfg.head_dim) // 128 * 128
-  return tuple(sorted({seq, max(seq, min(whole, cap))}))
+  return (max(seq, min(whole, cap)),)
 
 
-def for_trainer(batch: RolloutBatch, trainer, row_lens, share_prompts: bool = True):
-  """The rollout as `trainer` computes it: packed rows in its row buckets, of the length in `row_lens` (an int
-  or several) that costs the fewest FLOPs for this batch (`row_cost`); `row_lens` 0 or (): padded, as is."""
-  lens = (row_lens,) if isinstance(row_lens, int) else tuple(row_lens)
+def slot_cap(length: int, prompt_len: int, new_tokens: int, group: int, share_prompts: bool) -> int:
+  """Scored slots a packed row of `length` tokens holds at most: the responses of the full-length sequences
+  that fit (with shared prompts, of the whole groups that fit), at least one response, in a slot bucket."""
+  seq = prompt_len + new_tokens
+  n = new_tokens * max(1, length // seq)
+  if share_prompts:
+    n = max(n, group * new_tokens * (length // (prompt_len + group * new_tokens)))
+  return slot_bucket(min(length - 1, n), length)
+
+
+def rows_run(packed: PackedBatch, micro_batches: int) -> int:
+  """Rows the trainer computes for `packed`: those of its micro-batches (strided, rlax.trainer.state) that hold
+  a sequence; the others are skipped."""
+  R = packed.tokens.shape[0]
+  live = (np.asarray(packed.seq) < packed.batch_size).any(1)
+  return R // micro_batches * int(sum(live[j::micro_batches].any() for j in range(micro_batches)))
+
+
+def for_trainer(batch: RolloutBatch, trainer, row_lens, share_prompts: bool = True, padded: bool = True):
+  """The rollout as `trainer` computes it: packed rows of the length in `row_lens` that costs the fewest FLOPs
+  for this batch (`row_cost` of the rows that run), or with `padded` the padded batch as is when packing saves
+  too little. `row_lens`: ints (rows in row buckets, sized per batch), or the resolved run's `PackedShape`s
+  (exactly those shapes: no new program); 0 or (): padded."""
+  lens = (row_lens,) if isinstance(row_lens, (int, PackedShape)) else tuple(row_lens)
   lens = tuple(n for n in lens if n)
   split = batch.forks is not None and bool(np.any(batch.forks))
   if not split:
@@ -256,15 +324,15 @@ def for_trainer(batch: RolloutBatch, trainer, row_lens, share_prompts: bool = Tr
       raise ValueError("episodes split into rows (a template that is not append-only) train in packed rows; "
                        "set optimizer.pack_tokens")
     return batch
-  packed = [pack_tokens(batch, n, share_prompts=share_prompts, row_multiple=trainer.packed_rows_multiple())
-            for n in lens]
-  best = min(packed, key=lambda p: row_cost(trainer.model_cfg, *p.tokens.shape))
-  if split:
+  cost = lambda p: row_cost(trainer.model_cfg, rows_run(p, trainer.num_micro_batches(*p.tokens.shape)),
+                            p.tokens.shape[1])
+  best = min((pack_tokens(batch, n, share_prompts=share_prompts, row_multiple=trainer.packed_rows_multiple())
+              for n in lens), key=cost)
+  if split or not padded:
     return best
   # At equal FLOPs packed rows run ~10% slower on CPU (no prompt skip in the last layer, segment masks, the
   # slot gather: W2 3.64 vs 3.30 s): a batch with nothing to drop (fixed lengths, no shared prompt) stays padded.
-  if row_cost(trainer.model_cfg, *best.tokens.shape) > PACKED_OVERHEAD_RATIO * row_cost(trainer.model_cfg,
-                                                                                         *batch.tokens.shape):
+  if cost(best) > PACKED_OVERHEAD_RATIO * row_cost(trainer.model_cfg, *batch.tokens.shape):
     return batch
   return best
 

@@ -43,6 +43,9 @@ from rlax.rollout.sft import sft_warm_start
 from rlax.runtime import failover
 from rlax.runtime.preemption import Preemption
 from rlax.runtime.run_state import NonFiniteError, RunState
+from rlax.run.compiles import Background, CompileCounter
+from rlax import run as run_lib
+from rlax.trainer.batch import PackedBatch
 from rlax.topology import SliceLostError, build_topology
 
 
@@ -112,6 +115,8 @@ class Controller:
     self.final_state = None
     self.ref_params = None
     self._data_after: dict = {}  # data position after the newest trained batch
+    self.compiles = CompileCounter()
+    self._compiling, self._compiled_for = Background(), None
 
   # -- the parts this process holds (read-only views) ----------------------------------------------------------
   @property
@@ -167,6 +172,17 @@ class Controller:
       raise NonFiniteError(f"step {s}: {what} (controller.on_nonfinite='stop'; 'skip' skips such batches)")
     logging.warning("step %d: %s; batch skipped, parameters unchanged (controller.on_nonfinite='skip')", s, what)
 
+  def _compile_ahead(self) -> None:
+    """Compiles the trainer's programs on a thread (once per trainer); the first step waits for them."""
+    if self._compiled_for is not self.trainer:
+      self._compiled_for = self.trainer
+      self._compiling = Background(lambda: self.trainer.compile_ahead(ref=self.run_cfg.algorithm.kl_coef > 0),
+                                   name="compile-ahead")
+
+  def _warm_sampler(self) -> None:
+    if self.sampler is not None:
+      self.sampler.warm_up(self.weights.latest()[0], builders.sampler_uses(self.run_cfg))
+
   def _push(self, params, version: int) -> dict:
     if self.sampler is not None:
       self.faults.ensure_alive(self.topo.sampler_mesh)
@@ -218,6 +234,8 @@ class Controller:
     run = self.run_cfg
     ctl, steps = run.controller, run.controller.steps
     queue = RolloutQueue(ctl.queue_size, ctl.max_staleness, ctl.stale_policy)
+    plan = run_lib.train_plan(run, self.trainer)
+    self._compile_ahead()  # a trainer rebuilt on a new mesh compiles its programs again
     for r in pending:
       queue.put(r)
     if self.sampler is not None:
@@ -246,13 +264,17 @@ class Controller:
             f"({', '.join(sorted({str(x) for x in rewards[~np.isfinite(rewards)]}))}; check the reward function)")
         m = {}
         if bad is None:
-          batch = self.trainer.place(packing.for_trainer(item.data, self.trainer, builders.pack_lens(run),
-                                                         run.optimizer.share_prompts))
+          self._compiling.wait()  # the run's programs, compiled ahead
+          host = packing.for_trainer(item.data, self.trainer, plan.packed, run.optimizer.share_prompts,
+                                     padded=plan.padded)
+          R, L = host.tokens.shape
+          n = self.trainer.num_micro_batches(R, L)
+          rows = packing.rows_run(host, n) if isinstance(host, PackedBatch) else R
+          batch = self.trainer.place(host)
           if ref_params is not None:
             batch = batch.replace(ref_logprobs=self.trainer.ref_logprobs(ref_params, batch))
           state, m = self.trainer.step(state, batch)
-          m = dict(jax.device_get(m), train_rows=batch.tokens.shape[0], train_row_len=batch.tokens.shape[1],
-                   micro_batches=self.trainer.num_micro_batches(*batch.tokens.shape))
+          m = dict(jax.device_get(m), train_rows=rows, train_row_len=L, micro_batches=m.pop("micro_batches_run"))
           if float(m.pop("finite", 1.0)) < 1:
             bad = f"the loss ({float(m['loss']):.4g}) or gradient norm ({float(m['grad_norm']):.4g}) is not finite"
         if bad is not None:
@@ -269,6 +291,8 @@ class Controller:
         row.update(item.stats)
         row.update(sync)
         row.update(nonfinite_skipped=float(bad is not None))
+        n_compiles, compile_s = self.compiles.delta()
+        row.update(compiles=float(n_compiles), compile_s=compile_s)
         row.update(train_s=t2 - t1, trainer_idle_s=wait, sync_total_s=t3 - t2, step_s=t3 - t0,
                    staleness=float(s - item.version), dropped=float(self.dropped + queue.dropped))
         row["tokens_per_s"] = row.get("response_tokens", 0.0) / max(t3 - t0, 1e-9)
@@ -333,6 +357,8 @@ class Controller:
       self.channel.set_json("start", {"step": start, "first": start + len(pending),
                                       "data": resume.data_state if resume else None, "evaluate": resume is None})
     self._push(state.params, start)
+    self._compile_ahead()  # on a thread, while the sampler compiles its own and evaluates the starting policy
+    self._warm_sampler()
     if before is None:
       before = self.evaluate("before")
     s = start
@@ -403,8 +429,9 @@ class Controller:
       self.data.set_state(start["data"])
     server = threading.Thread(target=self.weights.serve, daemon=True, name="weights-receiver")
     server.start()
+    self.weights.wait_for(start["step"])
+    self._warm_sampler()
     if start["evaluate"]:
-      self.weights.wait_for(start["step"])
       self.evaluate("before")
     try:
       self._producer(RemoteSink(self.channel)).run(start["first"], self.run_cfg.controller.steps)

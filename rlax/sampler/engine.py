@@ -39,6 +39,7 @@ from rlax import models
 from rlax.models import sharding as shd
 from rlax.sampler import layouts, paged
 from rlax.sampler import params as params_lib
+from rlax.sampler import prompts as prompts_lib
 from rlax.sampler import sizing
 from rlax.sampler import slots as slots_lib
 from rlax.sampler.rows import SampleOutput, concat_outputs
@@ -124,8 +125,9 @@ class Sampler:
     self._cancel = self._jit("cancel", slots_lib.cancel, donate=(0,))
     self._grow = self._jit("grow", slots_lib.grow, donate=(0,))
     self._empty_fns: dict[int, Callable] = {}
-    # Slot buckets for the tail: slots, slots/2, ... (a decode program each), down to one whole shard row.
-    self.slot_buckets = [b for b in (slots >> i for i in range(8)) if b and b % shards == 0][::-1]
+    # Slot buckets for the tail: slots, slots/4, slots/16 (a decode program each; every one compiled before
+    # the first batch by warm_up), down to one whole shard row.
+    self.slot_buckets = [b for b in (slots >> 2 * i for i in range(3)) if b and b % shards == 0][::-1]
     self.weights = weights if weights is not None else WeightsService()
     if params is not None:
       self.update_weights(params, version)
@@ -218,6 +220,44 @@ class Sampler:
   def admit(self, st, prefilled, prompt, n_prompt, slot_ids, which, keys, limits, version, strategy):
     k, v, logits = prefilled
     return self._admit(st, k, v, logits, prompt, n_prompt, slot_ids, which, keys, limits, version, strategy=strategy)
+
+  def admission(self, params, st, prompts, n_prompt, slot_ids, keys, limits, version: int, strategy):
+    """Prefills `prompts` [q, P] (host) and admits their G rows each into `slot_ids` [q G] (>= S: padding), rows
+    drawing with key data `keys` [q G, ...] up to `limits` [q G] tokens: the admission `Stream` runs."""
+    G = len(slot_ids) // len(prompts)
+    toks, n_prompt = self.put(np.asarray(prompts, np.int32)), self.put(np.asarray(n_prompt, np.int32))
+    which = self.put(np.repeat(np.arange(len(prompts)), G).astype(np.int32))
+    return self.admit(st, self.prefill(params, toks, n_prompt), toks, n_prompt, self.put(np.asarray(slot_ids, np.int32)),
+                      which, jax.random.wrap_key_data(self.put(keys)), self.put(np.asarray(limits, np.int32)),
+                      np.int32(version), strategy)
+
+  def warm_up(self, params, uses) -> None:
+    """Runs every program a stream can call on empty states (each returns at once), so that a run compiles them
+    before its first batch rather than in the middle of one. uses: the (samples per group, strategy) pairs the
+    run samples with; admissions are of `group_buckets(G)` groups. Extensions (multi-turn) stay lazy."""
+    key = np.asarray(jax.random.key_data(jax.random.key(0)))
+    with self.ctx():
+      for S in reversed(self.slot_buckets):
+        st = self.empty(S)
+        for _, strategy in uses:
+          st = self.decode(params, st, 0, strategy)
+        st = self.cancel(self.recompute(params, st) if self.on_swap == "recompute" else st, jnp.zeros(S, bool))
+        for b in self.slot_buckets:
+          if b < S:
+            self.gather(st, jnp.arange(b, dtype=jnp.int32))
+        if S < self.slots:
+          self.grow(st)
+      for G, strategy in uses:
+        for q in self.group_buckets(G):
+          st = self.empty()
+          st = self.admission(params, st, np.zeros((q, self.max_prompt_len), np.int32), np.ones(q, np.int32),
+                              np.full(q * G, self.slots, np.int32), np.stack([key] * (q * G)),
+                              np.ones(q * G, np.int32), 0, strategy)
+      jax.block_until_ready(st)
+
+  def group_buckets(self, samples: int) -> tuple[int, ...]:
+    """Prompt counts an admission of groups of `samples` rows is padded to (one prefill and admit program each)."""
+    return prompts_lib.pow2_buckets(1, self.slots // samples)
 
   def decode(self, params, st, version, strategy):
     """One chunk: up to `decode_chunk` decode steps."""

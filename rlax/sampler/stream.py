@@ -225,18 +225,14 @@ class Stream:
       take += 1
     if not take:
       return
-    q = prompts_lib.bucket(take, prompts_lib.pow2_buckets(1, e.slots // G))
+    q = prompts_lib.bucket(take, e.group_buckets(G))
     groups = [self.queue.popleft() for _ in range(take)]
     sel = groups + [groups[0]] * (q - take)
-    toks = e.put(np.stack([g.prompt for g in sel]))
-    n_prompt = e.put(np.array([g.n_prompt for g in sel], np.int32))
     slot_ids = np.full(q * G, len(self.owner), np.int32)  # padding: dropped
     slot_ids[:take * G] = free[:take * G]
-    keys = jax.random.wrap_key_data(e.put(np.concatenate([g.keys for g in sel])))
-    limits = e.put(np.concatenate([g.limits for g in sel]).astype(np.int32))
-    which = e.put(np.repeat(np.arange(q), G).astype(np.int32))
-    self.st = e.admit(self.st, e.prefill(params, toks, n_prompt), toks, n_prompt, e.put(slot_ids), which, keys,
-                      limits, np.int32(self.version), self.strategy)
+    self.st = e.admission(params, self.st, np.stack([g.prompt for g in sel]), [g.n_prompt for g in sel], slot_ids,
+                          np.concatenate([g.keys for g in sel]), np.concatenate([g.limits for g in sel]),
+                          self.version, self.strategy)
     N = e.max_new_tokens
     for j, g in enumerate(groups):
       g.admitted = self.version

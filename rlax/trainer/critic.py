@@ -24,6 +24,7 @@ from rlax import algorithms
 from rlax import models
 from rlax.models.init import abstract_params
 from rlax.trainer import layouts
+from rlax.trainer.state import accumulate_gradients, apply_gradients, rows_in_micro_batches
 
 
 def init_params(policy_params: Any) -> dict:
@@ -106,3 +107,55 @@ def explained_variance(old_values, returns, mask) -> jax.Array:
   n = jnp.maximum(jnp.sum(m), 1.0)
   var = lambda x: jnp.sum(((x - jnp.sum(x * m) / n) * m) ** 2) / n
   return 1.0 - var(returns - old_values) / jnp.maximum(var(returns), 1e-8)
+
+
+def value_targets(tr, critic_params, batch, old_logprobs) -> dict:
+  """Old values, GAE advantages and returns (per slot) of the batch under the critic at step start (`tr`: the
+  Trainer)."""
+  algo, layout = tr.algo, layouts.of(batch)
+  x = layout.inputs(batch)
+  seg = layout.segments(x)
+  m = batch.loss_mask.astype(jnp.float32)
+  v_old = jax.lax.stop_gradient(rows_in_micro_batches(
+      lambda mb: layout.values(critic_params, tr.model_cfg, mb), x, tr.num_micro_batches(*x["tokens"].shape),
+      layout.has_tokens)) * m
+  kl = None
+  if algo.kl_coef > 0 and algo.kl_in_reward:
+    if batch.ref_logprobs is None:
+      raise ValueError(f"{algo.name}: kl_in_reward needs batch.ref_logprobs (fill with Trainer.ref_logprobs)")
+    old = old_logprobs if old_logprobs is not None else batch.behaviour_logprobs
+    kl = algorithms.kl_estimate(jax.lax.stop_gradient(old), batch.ref_logprobs, algo.kl_estimator) * m
+  rewards = token_rewards(batch.rewards, m, kl, algo.kl_coef, segments=seg)
+  adv, ret = advantages(rewards, v_old, m, algo.gamma, algo.lam, segments=seg)
+  return {"old_values": v_old, "returns": ret, "advantages": adv}
+
+
+def update(tr, state, new_state, batch, targets: dict):
+  """One critic update on the clipped value loss (`tr`: the Trainer); during the value warm-up the policy update
+  is dropped."""
+  algo, m, layout = tr.algo, batch.loss_mask.astype(jnp.float32), layouts.of(batch)
+  num_tokens = jnp.sum(m)
+  inputs = {"model": layout.inputs(batch), "loss_mask": m, "old_values": targets["old_values"],
+            "returns": targets["returns"]}
+
+  def loss_fn(cparams, mb):
+    return value_loss(cparams, tr.model_cfg, mb, clip=algo.value_clip, num_tokens=num_tokens,
+                                 layout=layout)
+
+  grads, vloss, stacked = accumulate_gradients(loss_fn, state.critic.params, inputs,
+                                               tr.num_micro_batches(*batch.tokens.shape),
+                                               active=lambda mb: jnp.any(mb["loss_mask"] > 0))
+  critic, critic_norm = apply_gradients(tr.critic_tx, state.critic, grads, vloss)
+  warm = state.step < algo.value_warmup_steps
+  if algo.value_warmup_steps:
+    # Value warm-up: the policy keeps its weights and Adam moments until the critic's values are usable.
+    keep = lambda old, new: jax.tree.map(lambda a, b: jnp.where(warm, a, b), old, new)
+    new_state = new_state.replace(params=keep(state.params, new_state.params),
+                                  opt_state=keep(state.opt_state, new_state.opt_state))
+  tokens = jnp.maximum(num_tokens, 1.0)
+  metrics = {"value_loss": vloss, "value_clip_frac": jnp.sum(stacked["value_clipped_sum"]) / tokens,
+             "explained_variance": explained_variance(targets["old_values"], targets["returns"], m),
+             "value_mean": jnp.sum(targets["old_values"]) / tokens,
+             "return_mean": jnp.sum(targets["returns"]) / tokens, "critic_grad_norm": critic_norm,
+             "value_warmup": warm.astype(jnp.float32)}
+  return new_state.replace(critic=critic), metrics

@@ -68,6 +68,10 @@ class Layout:
     head = lambda h, _: (jnp.einsum("btd,d->bt", h.astype(jnp.float32), critic["head"]["w"]) + critic["head"]["b"],)
     return self.per_slot(head, critic["trunk"], cfg, x)[0]
 
+  def has_tokens(self, x: dict) -> jax.Array:
+    """[] bool: whether rows `x` (a micro-batch's inputs) hold any sequence (empty ones are skipped)."""
+    return jnp.any(x["seq"] < self.seqs) if self.packed else jnp.any(x["input_mask"])
+
   def segments(self, x: dict) -> algorithms.Segments:
     """Which sequence each slot of `x` (a batch's or a micro-batch's inputs) belongs to."""
     return algorithms.Segments(x["seq"], self.seqs) if self.packed else algorithms.Segments.rows()

@@ -12,6 +12,7 @@ from rlax import algorithms
 from rlax import models
 from rlax.trainer import layouts
 from rlax.trainer.batch import PackedBatch, RolloutBatch
+from rlax.trainer.state import masked_extreme
 
 
 @flax.struct.dataclass
@@ -142,16 +143,20 @@ def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmCon
 
 
 def reduce_metrics(stacked: dict, loss: jax.Array, grad_norm: jax.Array, lr: jax.Array) -> dict:
-  """Micro-batch metric sums/extremes ([n] each) -> one scalar per metric for the whole batch."""
+  """Micro-batch metric sums/extremes ([n] each, `stacked["active"]` 1 where one ran) -> one scalar per metric
+  for the whole batch; extremes are over the micro-batches that ran."""
   tokens = jnp.sum(stacked["tokens"])
   per_tok = lambda k: jnp.sum(stacked[k]) / jnp.maximum(tokens, 1.0)
+  on = stacked["active"]
+  ext = lambda k, fn, empty: masked_extreme(stacked[k], on, fn, empty)
   return {
       "loss": loss, "pg_loss": jnp.sum(stacked["pg_loss"]), "kl": per_tok("kl_sum"),
       "entropy": per_tok("entropy_sum"), "clip_frac": per_tok("clipped_sum"),
-      "ratio_mean": per_tok("ratio_sum"), "ratio_max": jnp.max(stacked["ratio_max"]),
-      "ratio_min": jnp.min(stacked["ratio_min"]), "is_ratio_mean": per_tok("is_ratio_sum"),
-      "is_ratio_max": jnp.max(stacked["is_ratio_max"]), "is_ratio_min": jnp.min(stacked["is_ratio_min"]),
+      "ratio_mean": per_tok("ratio_sum"), "ratio_max": ext("ratio_max", jnp.max, 1.0),
+      "ratio_min": ext("ratio_min", jnp.min, 1.0), "is_ratio_mean": per_tok("is_ratio_sum"),
+      "is_ratio_max": ext("is_ratio_max", jnp.max, 1.0), "is_ratio_min": ext("is_ratio_min", jnp.min, 1.0),
       "is_frac_truncated": jnp.sum(stacked["is_truncated_sum"]) / jnp.maximum(jnp.sum(stacked["is_units"]), 1.0),
       "logp_diff_mean": per_tok("logp_diff_sum"),
-      "logp_diff_max": jnp.max(stacked["logp_diff_max"]), "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
+      "logp_diff_max": ext("logp_diff_max", jnp.max, 0.0), "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
+      "micro_batches_run": jnp.sum(on),
   }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -32,10 +33,11 @@ from rlax.models.init import abstract_params
 from rlax.trainer import critic as critic_lib
 from rlax.trainer import layouts
 from rlax.trainer import objective as rl
+from rlax.trainer import programs as programs_lib
 from rlax.trainer.batch import PackedBatch, RolloutBatch, SFTBatch
 from rlax.trainer.optimizer import OptimizerConfig, make_optimizer, make_schedule
-from rlax.trainer.state import (TrainState, accumulate_gradients, apply_gradients,
-                                split_micro_batches, update_is_finite)
+from rlax.trainer.state import (TrainState, accumulate_gradients, apply_gradients, fill_order,
+                                rows_in_micro_batches, update_is_finite)
 
 
 def sft_loss(params, model_cfg: models.ModelConfig, batch: SFTBatch, *, num_tokens, chunk: int = 256
@@ -88,6 +90,9 @@ class Trainer:
     self._refs: dict[tuple, Callable] = {}  # jitted reference log-probs per (layout, output shape)
     # Traces of the jitted bodies (each is a compile): steady state must add none.
     self.traces: collections.Counter = collections.Counter()
+    self.compiled = programs_lib.CompiledTable()  # the run's steps, compiled ahead (compile_ahead)
+    self._micro: dict[tuple[int, int], int] = {}  # micro-batches of the run's batch shapes (fix_shapes)
+    self._fixed: list = []
 
   # -- layouts (shared by the runtime and the planner) -----------------------------------------------------------
   def _ctx(self):
@@ -186,13 +191,36 @@ class Trainer:
     e.g. `abstract_state()` and `abstract_batch(...)`); the batch is laid out as `place` lays it out."""
     batch.check(self.group_size)
     self.num_micro_batches(*batch.tokens.shape)
-    base = None
-    if self.lora.enabled:
-      shards = None if self.mesh is None else models.param_shardings(self.model_cfg, self.mesh)
-      base = abstract_params(self.model_cfg) if shards is None else jax.tree.map(
-          lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract_params(self.model_cfg), shards)
     with self._ctx():
-      return self._rl.lower(state, self._as_placed(batch), *self._base_arg(base))
+      return self._rl.lower(state, self._as_placed(batch), *self._base_arg(self._abstract_params()))
+
+  def _abstract_params(self):
+    """The model's params as ShapeDtypeStructs on their shardings (the LoRA base; the KL reference)."""
+    shards = None if self.mesh is None else models.param_shardings(self.model_cfg, self.mesh)
+    want = abstract_params(self.model_cfg)
+    return want if shards is None else jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), want, shards)
+
+  def fix_shapes(self, batches) -> None:
+    """The run's batch shapes: (abstract batch, micro-batches) pairs (the resolved run's). A batch of one of
+    these shapes is split into exactly those micro-batches; `compile_ahead` compiles them."""
+    self._fixed = list(batches)
+    self._micro.update({tuple(b.tokens.shape): n for b, n in self._fixed})
+
+  def compile_ahead(self, *, ref: bool = False) -> None:
+    """Compiles the RL step (and with `ref` the reference log-probs) for every `fix_shapes` shape into
+    `self.compiled`: `step` then never compiles mid-run. Thread-safe against `step`."""
+    state = self.abstract_state()
+    for batch, _ in self._fixed:
+      placed = self._as_placed(batch)
+      args = (state, placed, *self._base_arg(self._abstract_params()))
+      self.compiled.add(args, self.lower_step(state, placed))
+      if ref:
+        layout = layouts.of(placed)
+        x, fn = layout.inputs(placed), self._ref_program(layout, tuple(placed.loss_mask.shape))
+        with self._ctx():
+          self.compiled.add((self._abstract_params(), x), fn.lower(self._abstract_params(), x, layout=layout),
+                            static=layout)
 
   def init_state(self, params) -> TrainState:
     """TrainState(step=0, params, AdamW state) on `state_shardings()`; params must match the model config.
@@ -224,7 +252,10 @@ class Trainer:
     return shards * self.micro_batches
 
   def num_micro_batches(self, rows: int, seq_len: int) -> int:
-    """Micro-batches of a [rows, seq_len] batch: `micro_batches`, raised to meet `micro_batch_tokens`."""
+    """Micro-batches of a [rows, seq_len] batch: as `compile_ahead` fixed them for its shapes, else
+    `micro_batches`, raised to meet `micro_batch_tokens`."""
+    if (rows, seq_len) in self._micro:
+      return self._micro[rows, seq_len]
     n0 = self.micro_batches
     if rows % n0:
       raise ValueError(f"batch of {rows} rows does not split into {n0} micro-batches")
@@ -253,7 +284,7 @@ class Trainer:
                        "trainer's init_state)")
     batch = self.place(batch)
     with self._ctx():
-      return self._rl(state, batch, *self._base_arg(self.base))
+      return self.compiled.call(self._rl, state, batch, *self._base_arg(self.base))
 
   def sft_step(self, state: TrainState, batch: SFTBatch) -> tuple[TrainState, dict]:
     """One supervised update (cross-entropy on loss_mask tokens); metrics: loss, grad_norm, lr, tokens."""
@@ -278,20 +309,24 @@ class Trainer:
     """
     layout = layouts.of(batch)
     batch = self.place(batch)
-    shape = tuple(batch.loss_mask.shape)
+    with self._ctx():
+      return self.compiled.call(functools.partial(self._ref_program(layout, tuple(batch.loss_mask.shape)),
+                                                  layout=layout), ref_params, layout.inputs(batch), static=layout)
+
+  def _ref_program(self, layout: layouts.Layout, shape: tuple[int, ...]) -> Callable:
     if (layout, shape) not in self._refs:
       self.traces["ref_logprobs"] += 1
       # Exactly the batch layout (a constraint inside would drop the trailing None from the spec), so the
       # output joins a placed batch without a reshard or a new step compile.
       out = {} if self.mesh is None else dict(out_shardings=self.batch_sharding(shape))
-      self._refs[layout, shape] = jax.jit(self._ref_logprobs, static_argnums=2, **out)
-    with self._ctx():
-      return self._refs[layout, shape](ref_params, layout.inputs(batch), layout)
+      self._refs[layout, shape] = jax.jit(self._ref_logprobs, static_argnames="layout", **out)
+    return self._refs[layout, shape]
 
   # -- jitted bodies -------------------------------------------------------------------------------------------
   def _ref_logprobs(self, params, x: dict, layout: layouts.Layout):
     return self._rows_in_micro_batches(
-        lambda mb: layout.logprobs(params, self.model_cfg, mb, chunk=self.chunk, temperature=self.temperature), x)
+        lambda mb: layout.logprobs(params, self.model_cfg, mb, chunk=self.chunk, temperature=self.temperature), x,
+        layout)
 
   def _rl_step(self, state: TrainState, batch: RolloutBatch | PackedBatch, base=None):
     self.traces["rl_step"] += 1
@@ -303,7 +338,7 @@ class Trainer:
       old = self._ref_logprobs(self._full(state.params, base), layout.inputs(batch), layout)
     targets = None
     if ppo:
-      targets = self._value_targets(state.critic.params, batch, old)
+      targets = critic_lib.value_targets(self, state.critic.params, batch, old)
       if batch.advantages is None:
         batch = batch.replace(advantages=targets["advantages"])
     inputs = rl.loss_inputs(self.algo, batch, self.group_size, old)
@@ -315,12 +350,12 @@ class Trainer:
                         num_rows=batch.batch_size, chunk=self.chunk, temperature=self.temperature, layout=layout)
 
     n = self.num_micro_batches(*batch.tokens.shape)
-    grads, loss, stacked = accumulate_gradients(loss_fn, state.params, inputs, n)
+    grads, loss, stacked = accumulate_gradients(loss_fn, state.params, inputs, n, active=_has_loss)
     new_state, grad_norm = apply_gradients(self.tx, state, grads, loss)
     metrics = rl.reduce_metrics(stacked, loss, grad_norm, self._lr(state.step))
     ok = update_is_finite(loss, grad_norm)
     if ppo:
-      new_state, critic_metrics = self._critic_update(state, new_state, batch, targets)
+      new_state, critic_metrics = critic_lib.update(self, state, new_state, batch, targets)
       metrics.update(critic_metrics)
       # One step: a non-finite policy or value update skips both (the policy's advantages came from this critic).
       ok &= update_is_finite(critic_metrics["value_loss"], critic_metrics["critic_grad_norm"])
@@ -329,60 +364,9 @@ class Trainer:
     return new_state, metrics
 
   # -- PPO's value model (rlax.trainer.critic) -------------------------------------------------------------------
-  def _rows_in_micro_batches(self, fn, x: dict):
-    """fn(inputs of some rows) -> [rows, S], computed micro-batch by micro-batch like the loss."""
-    rows = x["tokens"].shape[0]
-    n = self.num_micro_batches(*x["tokens"].shape)
-    if n == 1:
-      return fn(x)
-    out = jax.lax.scan(lambda c, mb: (c, fn(mb)), None, split_micro_batches(x, n))[1]
-    return jnp.moveaxis(out, 0, 1).reshape(rows, -1)
-
-  def _value_targets(self, critic_params, batch: RolloutBatch | PackedBatch, old_logprobs) -> dict:
-    """Old values, GAE advantages and returns (per slot) of the batch under the critic at step start."""
-    algo, layout = self.algo, layouts.of(batch)
-    x = layout.inputs(batch)
-    seg = layout.segments(x)
-    m = batch.loss_mask.astype(jnp.float32)
-    v_old = jax.lax.stop_gradient(self._rows_in_micro_batches(
-        lambda mb: layout.values(critic_params, self.model_cfg, mb), x)) * m
-    kl = None
-    if algo.kl_coef > 0 and algo.kl_in_reward:
-      if batch.ref_logprobs is None:
-        raise ValueError(f"{algo.name}: kl_in_reward needs batch.ref_logprobs (fill with Trainer.ref_logprobs)")
-      old = old_logprobs if old_logprobs is not None else batch.behaviour_logprobs
-      kl = algorithms.kl_estimate(jax.lax.stop_gradient(old), batch.ref_logprobs, algo.kl_estimator) * m
-    rewards = critic_lib.token_rewards(batch.rewards, m, kl, algo.kl_coef, segments=seg)
-    adv, ret = critic_lib.advantages(rewards, v_old, m, algo.gamma, algo.lam, segments=seg)
-    return {"old_values": v_old, "returns": ret, "advantages": adv}
-
-  def _critic_update(self, state: TrainState, new_state: TrainState, batch, targets: dict):
-    """One critic update on the clipped value loss; during the value warm-up the policy update is dropped."""
-    algo, m, layout = self.algo, batch.loss_mask.astype(jnp.float32), layouts.of(batch)
-    num_tokens = jnp.sum(m)
-    inputs = {"model": layout.inputs(batch), "loss_mask": m, "old_values": targets["old_values"],
-              "returns": targets["returns"]}
-
-    def loss_fn(cparams, mb):
-      return critic_lib.value_loss(cparams, self.model_cfg, mb, clip=algo.value_clip, num_tokens=num_tokens,
-                                   layout=layout)
-
-    grads, vloss, stacked = accumulate_gradients(loss_fn, state.critic.params, inputs,
-                                                 self.num_micro_batches(*batch.tokens.shape))
-    critic, critic_norm = apply_gradients(self.critic_tx, state.critic, grads, vloss)
-    warm = state.step < algo.value_warmup_steps
-    if algo.value_warmup_steps:
-      # Value warm-up: the policy keeps its weights and Adam moments until the critic's values are usable.
-      keep = lambda old, new: jax.tree.map(lambda a, b: jnp.where(warm, a, b), old, new)
-      new_state = new_state.replace(params=keep(state.params, new_state.params),
-                                    opt_state=keep(state.opt_state, new_state.opt_state))
-    tokens = jnp.maximum(num_tokens, 1.0)
-    metrics = {"value_loss": vloss, "value_clip_frac": jnp.sum(stacked["value_clipped_sum"]) / tokens,
-               "explained_variance": critic_lib.explained_variance(targets["old_values"], targets["returns"], m),
-               "value_mean": jnp.sum(targets["old_values"]) / tokens,
-               "return_mean": jnp.sum(targets["returns"]) / tokens, "critic_grad_norm": critic_norm,
-               "value_warmup": warm.astype(jnp.float32)}
-    return new_state.replace(critic=critic), metrics
+  def _rows_in_micro_batches(self, fn, x: dict, layout: layouts.Layout):
+    """fn(inputs of some rows) -> [rows, S], micro-batch by micro-batch like the loss (empty ones skipped)."""
+    return rows_in_micro_batches(fn, x, self.num_micro_batches(*x["tokens"].shape), layout.has_tokens)
 
   def _sft_step(self, state: TrainState, batch: SFTBatch, base=None):
     num_tokens = jnp.sum(batch.loss_mask.astype(jnp.float32))
@@ -391,8 +375,13 @@ class Trainer:
       return sft_loss(self._full(params, base), self.model_cfg, mb, num_tokens=num_tokens, chunk=self.chunk)
 
     grads, loss, stacked = accumulate_gradients(loss_fn, state.params, batch,
-                                                self.num_micro_batches(*batch.tokens.shape))
+                                                self.num_micro_batches(*batch.tokens.shape), active=_has_loss)
     new_state, grad_norm = apply_gradients(self.tx, state, grads, loss)
     return new_state, {"loss": loss, "grad_norm": grad_norm, "lr": self._lr(state.step),
                        "tokens": jnp.sum(stacked["tokens"]),
                        "finite": update_is_finite(loss, grad_norm).astype(jnp.float32)}
+
+
+def _has_loss(mb) -> jax.Array:
+  """Whether a micro-batch scores any token (one that does not is skipped)."""
+  return jnp.any(mb.loss_mask > 0)

@@ -194,5 +194,5 @@ def reshard(params: Any, shardings: Any, dtype: Any = None, *, transport: str = 
   dt = time.perf_counter() - t0
   nbytes = sum(a.nbytes for a in out)
   stats = SyncStats(dt, nbytes, sum(x.nbytes for x in leaves), nbytes / dt / 1e9, "host" if use_host else "device")
-  logging.info("param sync: %.3fs, %.1f MB, %.2f GB/s (%s)", dt, nbytes / 1e6, stats.gb_per_s, stats.transport)
+  logging.vlog(1, "param sync: %.3fs, %.1f MB, %.2f GB/s (%s)", dt, nbytes / 1e6, stats.gb_per_s, stats.transport)
   return moved, stats

@@ -137,6 +137,9 @@ def test_split_batches_train_packed_only(split):
     def packed_rows_multiple(self):
       return 1
 
+    def num_micro_batches(self, rows, length):
+      return 1
+
   with pytest.raises(ValueError, match="optimizer.pack_tokens"):
     packing.for_trainer(batch, Trainer(), ())
   out = packing.for_trainer(batch, Trainer(), (32, 64))

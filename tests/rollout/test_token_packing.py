@@ -107,3 +107,14 @@ def test_steady_state_compiles_nothing_new():
       state, _ = trainer.step(state, host)
   assert dict(trainer.traces) == before
   jax.block_until_ready(state)
+
+
+def test_a_group_that_fits_no_row_whole_fills_the_roomiest_row():
+  """Groups of 6 + 4 x 8 = 38 tokens in rows of 64: whole groups take a row each (3 rows); split, a group's
+  responses follow a prompt copy into the space another leaves: 2 rows, every response scored once."""
+  b = batch([8] * 12, [6] * 12)
+  out = packing.pack_tokens(b, 64, share_prompts=True)
+  assert out.tokens.shape[0] == 2
+  seq = np.asarray(out.seq)
+  assert sorted(seq[seq < 12].tolist()) == sorted(list(range(12)) * 8)
+  assert int(np.asarray(out.loss_mask).sum()) == int(np.asarray(b.loss_mask).sum())

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from configs import algorithm
+from rlax import run as run_lib
 from rlax.runtime import Controller
 from tiny import tiny_config
 
@@ -26,10 +27,14 @@ def test_synchronous_k0_versions_and_weight_sync(tmp_path):
   assert [r["staleness"] for r in rows] == [0.0] * 4  # every sample came from the trainer's own version
   assert out["staleness_hist"] == {"0": 4}
   # The trained batch's shape and its micro-batch split are in every row (what sizes the step's memory).
-  trainer = ctl.trainer
+  # The batch ran in one of the run's programs (rlax.run.train_plan), in the micro-batches that hold its rows;
+  # they were compiled before the first step, so no row after the first counts a compile.
+  progs = run_lib.train_plan(ctl.run_cfg, ctl.trainer).programs
   for r in rows:
-    assert r["train_rows"] >= 1 and r["train_row_len"] >= 1
-    assert r["micro_batches"] == trainer.num_micro_batches(int(r["train_rows"]), int(r["train_row_len"]))
+    p = next(p for p in progs if p.length == r["train_row_len"])
+    assert 1 <= r["micro_batches"] <= p.micro_batches
+    assert r["train_rows"] == (r["micro_batches"] * p.micro_rows if p.packed else p.rows)
+  assert [r["compiles"] for r in rows[1:]] == [0.0] * 3 and rows[0]["compile_s"] >= 0
   # After the last push the sampler holds exactly the trainer's weights, on the sampler's devices.
   sampler_params, version = ctl.weights.latest()
   assert version == 4

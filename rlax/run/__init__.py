@@ -1,0 +1,5 @@
+"""The resolved run: every decision that gives a shape or a byte count, made once from the typed config and
+the topology, and read by the builders, the trainer, the packer, the memory estimate and the planner."""
+
+from rlax.run.compiles import CompileCounter
+from rlax.run.train import TrainPlan, TrainProgram, row_lengths, train_plan

@@ -1,0 +1,63 @@
+"""Compiles in this process, counted from JAX's own compile events (a persistent-cache hit counts too: it is
+still a program the run did not have), so every metrics row can say how many happened since the last."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+
+_EVENT = "/jax/core/compile/backend_compile_duration"
+_lock = threading.Lock()
+_totals = [0, 0.0]  # compiles, seconds
+
+
+def _listen(event: str, duration: float, **_) -> None:
+  if event == _EVENT:
+    with _lock:
+      _totals[0] += 1
+      _totals[1] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_listen)
+
+
+class CompileCounter:
+  """`delta()` -> (compiles, seconds) since the previous call (or since construction)."""
+
+  def __init__(self):
+    self._mark = self.total()
+
+  @staticmethod
+  def total() -> tuple[int, float]:
+    with _lock:
+      return _totals[0], _totals[1]
+
+  def delta(self) -> tuple[int, float]:
+    now = self.total()
+    out = now[0] - self._mark[0], now[1] - self._mark[1]
+    self._mark = now
+    return out
+
+
+class Background:
+  """`fn()` on a thread; `wait()` joins it and raises what it raised (nothing when never started)."""
+
+  def __init__(self, fn=None, name: str = "background"):
+    self._error: BaseException | None = None
+    self._thread = None
+    if fn is not None:
+      def body():
+        try:
+          fn()
+        except BaseException as e:  # re-raised in the waiting thread
+          self._error = e
+      self._thread = threading.Thread(target=body, daemon=True, name=name)
+      self._thread.start()
+
+  def wait(self) -> None:
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+    if self._error is not None:
+      raise self._error

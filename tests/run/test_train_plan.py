@@ -1,0 +1,112 @@
+"""The resolved run's train programs: fixed shapes, compiled ahead, no compile after warm-up across varied
+batches, and a batch's result independent of how many empty micro-batches its program carries."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlax import algorithms as A
+from rlax import builders
+from rlax import config as config_lib
+from rlax import models as M
+from rlax import run as run_lib
+from rlax.rollout import packing
+from rlax.run.compiles import CompileCounter
+from rlax.trainer import RolloutBatch, Trainer, response_loss_mask
+from rlax.trainer.state import fill_order, split_micro_batches
+
+P, N, G = 6, 10, 4
+CFG = dict(preset="w1", vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, mlp_dim=32)
+
+
+def _run(**opt):
+  return config_lib.load({"workdir": "unused", "model": {"preset": "w1", "overrides": {k: v for k, v in CFG.items()
+                                                                                       if k != "preset"}},
+                          "rollout": {"prompts_per_step": 2, "samples_per_prompt": G, "max_prompt_len": P,
+                                      "max_new_tokens": N},
+                          "algorithm": {"name": "grpo", "kl_coef": 0.0}, "optimizer": opt})
+
+
+def _batch(lengths, seed=0) -> RolloutBatch:
+  rng = np.random.default_rng(seed)
+  B = len(lengths)
+  tokens = rng.integers(3, 50, (B, P + N)).astype(np.int32)
+  mask = np.zeros((B, P + N), bool)
+  for b, n in enumerate(lengths):
+    tokens[b, :P] = tokens[b // G * G, :P]
+    mask[b, :P + n] = True
+  tokens[~mask] = 0
+  lm = response_loss_mask(mask, P)
+  return RolloutBatch(tokens=tokens, input_mask=mask, loss_mask=lm, behaviour_logprobs=-0.5 * lm,
+                      rewards=rng.normal(size=B).astype(np.float32), versions=np.zeros(B, np.int32),
+                      group_ids=(np.arange(B) // G).astype(np.int32), prompt_len=P)
+
+
+def test_fill_order_fills_whole_micro_batches_first_across_shards():
+  order = fill_order(12, 3, shards=2)
+  assert sorted(order) == list(range(12))
+  mbs = split_micro_batches(jnp.arange(12), 3)  # micro-batch j: rows j, j + 3, ...
+  first = set(np.asarray(mbs[0]).tolist())
+  assert set(order[:4].tolist()) == first  # the first 4 real rows are micro-batch 0
+  assert [int(i) // 6 for i in order[:4]] == [0, 1, 0, 1]  # alternating between the two shards
+
+
+def test_plan_holds_one_row_per_sequence_in_whole_micro_batches():
+  run = _run(micro_batch_tokens=64)
+  trainer = builders.trainer(run, None)
+  plan = run_lib.train_plan(run, trainer)
+  (prog,) = plan.programs  # shared prompts: one packed length, no padded alternative
+  assert prog.packed is not None and (prog.length,) == packing.auto_row_lens(run.model, P, N, G, True)
+  assert prog.rows >= run.rollout.rows  # one row per sequence at most
+  assert prog.micro_rows == max(1, 64 // prog.length) and prog.rows % prog.micro_batches == 0
+  assert prog.packed.slots == packing.slot_cap(prog.length, P, N, G, True) >= N
+  share_off = run_lib.train_plan(_run(share_prompts=False), trainer)
+  assert [p.packed is None for p in share_off.programs] == [False, True]  # packed + the padded alternative
+
+
+def test_no_compile_after_warm_up_across_varied_batches():
+  run = _run(micro_batch_tokens=48, pack_tokens=48)
+  trainer = builders.trainer(run, None)
+  plan = run_lib.train_plan(run, trainer)
+  trainer.compile_ahead()
+  assert len(trainer.compiled) == len(plan.programs)
+  state = trainer.init_state(M.create_params(run.model))
+  traces, counter = dict(trainer.traces), CompileCounter()
+  rng = np.random.default_rng(0)
+  state, _ = trainer.step(state, packing.for_trainer(_batch([N] * 8), trainer, plan.packed, padded=plan.padded))
+  jax.block_until_ready(state)
+  counter.delta()  # the first step's small host-side programs (e.g. placing the batch)
+  runs = set()
+  for i in range(6):
+    lengths = rng.integers(0, N + 1, 8) if i else np.zeros(8, int) + 1
+    host = packing.for_trainer(_batch(lengths, seed=i), trainer, plan.packed, padded=plan.padded)
+    state, m = trainer.step(state, host)
+    runs.add(int(m["micro_batches_run"]))
+  jax.block_until_ready(state)
+  assert dict(trainer.traces) == traces and counter.delta()[0] == 0
+  assert len(runs) > 1  # the batches did vary in how many rows they needed
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_empty_micro_batches_change_nothing(share):
+  """The same batch in its run's fixed program (many micro-batches, most empty) and packed as small as it
+  goes (row buckets, no empty micro-batch): equal loss, metrics and updated parameters."""
+  run = _run(micro_batch_tokens=48, pack_tokens=48, share_prompts=share)
+  trainer = builders.trainer(run, None)
+  plan = run_lib.train_plan(run, trainer)
+  host = _batch([3, 10, 0, 5, 7, 1, 2, 9], seed=4)
+  fixed = packing.pack_tokens(host, plan.packed[0], share_prompts=share)
+  small = packing.pack_tokens(host, plan.packed[0].length, share_prompts=share)
+  assert fixed.tokens.shape[0] > small.tokens.shape[0]
+  params = M.create_params(run.model)
+  out = []
+  for b in (fixed, small):
+    state = trainer.init_state(jax.tree.map(jnp.copy, params))
+    state, m = trainer.step(state, b)
+    out.append((jax.device_get(state.params), jax.device_get(m)))
+  (p1, m1), (p2, m2) = out
+  for k in ("loss", "pg_loss", "entropy", "ratio_max", "logp_diff_max", "tokens", "grad_norm"):
+    np.testing.assert_allclose(m1[k], m2[k], rtol=2e-5, atol=1e-6, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p1, p2)
+  assert m1["micro_batches_run"] < plan.programs[0].micro_batches
