@@ -18,11 +18,11 @@ from configs import base
 from rlax.planning_config import PlanConfig
 
 
-def plan_fields(topology: str, num_slices: int, sampler_batch: int) -> ml_collections.ConfigDict:
+def plan_fields(topology: str, num_slices: int) -> ml_collections.ConfigDict:
   """The plan section (rlax.planning_config.PlanConfig: v5p's per-chip figures) for `topology` x `num_slices`.
-  programs, e.g. "sampler_decode_paged": compile only these (rlax.planning.PROGRAMS)."""
+  programs, e.g. "sampler_decode": compile only these (rlax.planning.PROGRAMS)."""
   return ml_collections.ConfigDict({**dataclasses.asdict(PlanConfig()), "topology": topology,
-                                    "num_slices": num_slices, "sampler_batch": sampler_batch})
+                                    "num_slices": num_slices})
 
 
 def get_config(arg: str | None = None):
@@ -42,8 +42,9 @@ def get_config(arg: str | None = None):
   c.rollout.max_prompt_len = 1024
   c.rollout.max_new_tokens = 15 * 1024
   c.rollout.decode_chunk = 256
+  c.rollout.slots = 1024           # the sampler's decode slots: a whole batch of rows at once
   c.optimizer.micro_batches = 16   # 64 rows per micro-batch: one sequence per FSDP shard
-  c.plan = plan_fields("v5p:8x8x8", 2, sampler_batch=1024)
+  c.plan = plan_fields("v5p:8x8x8", 2)
   if arg == "32k":
     c.rollout.max_new_tokens = 31 * 1024
   elif arg == "tiny":
@@ -64,4 +65,5 @@ def shrink(c) -> None:
   c.rollout.prompts_per_step, c.rollout.samples_per_prompt = 4, 4
   c.rollout.max_prompt_len, c.rollout.max_new_tokens, c.rollout.decode_chunk = 16, 16, 16
   c.optimizer.micro_batches = 2
-  c.plan.topology, c.plan.num_slices, c.plan.sampler_batch = "local", 2, 8
+  c.rollout.slots = 8
+  c.plan.topology, c.plan.num_slices = "local", 2

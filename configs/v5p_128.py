@@ -18,7 +18,8 @@ def get_config(arg: str | None = None):
   c.rollout.max_prompt_len = 1024
   c.rollout.max_new_tokens = 7 * 1024
   c.optimizer.micro_batches = 32      # 8 rows per micro-batch: one sequence per FSDP shard
-  c.plan = paper_qwq32b.plan_fields("v5p:2x4x4", 2, sampler_batch=256)
+  c.rollout.slots = 256
+  c.plan = paper_qwq32b.plan_fields("v5p:2x4x4", 2)
   if arg == "tiny":
     paper_qwq32b.shrink(c)
   elif arg:

@@ -16,7 +16,8 @@ def get_config(arg: str | None = None):
   c.rollout.prompts_per_step = 32
   c.rollout.samples_per_prompt = 16
   c.optimizer.micro_batches = 32      # 16 rows per micro-batch: one sequence per FSDP shard
-  c.plan = paper_qwq32b.plan_fields("v5p:4x4x8", 2, sampler_batch=512)
+  c.rollout.slots = 512
+  c.plan = paper_qwq32b.plan_fields("v5p:4x4x8", 2)
   if arg == "tiny":
     paper_qwq32b.shrink(c)
   elif arg:

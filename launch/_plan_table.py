@@ -18,7 +18,8 @@ def format_table(t: dict) -> str:
   lines = [f"plan: {c['model']} ({c['params'] / 1e9:.3g}B params) on {c['topology']} = {c['devices']} "
            f"{c['chip']} chips; trainer mesh {c['trainer_mesh']}, sampler mesh {c['sampler_mesh']}",
            f"      batch {c['batch_rows']} rows x {c['seq_len']} tokens, {c['micro_batches']} micro-batches; "
-           f"sampler {c['sampler_batch']} rows per call",
+           f"sampler {c['sampler_slots']} slots (decode buckets {c['slot_buckets']}); train programs "
+           + ", ".join(f"{p['rows']}x{p['length']}/{p['micro_batches']}" for p in c["train_programs"]),
            f"{'program':<{w}}{'mesh':<22}{'args GiB':>9}{'temp GiB':>9}{'out GiB':>9}{'peak GiB':>9}"
            f"{'% HBM':>7}{'TFLOP':>9}{'GB acc':>9}{'roofline':>11}{'analytic':>11}{'compile':>9}"]
   for p in t["programs"]:

@@ -2,11 +2,14 @@
 
   pip install -e ".[tpu]"        # jax[tpu] / libtpu: compiles for TPU without a TPU attached
   python -m launch.plan --config=configs/paper_qwq32b.py
-  python -m launch.plan --config=configs/v5p_128.py --config.plan.sampler_batch=256
+  python -m launch.plan --config=configs/v5p_128.py --config.rollout.slots=128
+  python -m launch.plan --config=configs/paper_qwq32b.py:tiny   # the same code path on 8 local CPU devices
 
-Compiles the runtime's trainer RL step, the sampling engine's prefill, admission and decode chunk (on TPU the
-paged layout, with the Pallas paged-attention kernel) and the trainer → sampler weight push for
-`config.plan.topology` x `config.plan.num_slices` and prints a table; the last output line is the table as JSON.
+Compiles, at the run's own sizes, the runtime's trainer RL steps (each of the run's batch shapes), the sampling
+engine's prefill, admission, decode chunk (on TPU the paged layout, with the Pallas paged-attention kernel) and
+recompute over the run's slots (rollout.slots) and the trainer → sampler weight push for
+`config.plan.topology` x `config.plan.num_slices` and prints a table (rlax.planning lists what it compiles);
+the last output line is the table as JSON.
 `--config.plan.programs=sampler_decode` (comma-separated names) compiles only those programs. A
 program that does not fit the chip's HBM ends the run with one line (exit code 3) naming the program, the
 overshoot and the knob to turn.

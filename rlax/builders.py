@@ -11,6 +11,7 @@ import dataclasses
 import os
 from typing import Any, Optional
 
+from absl import logging
 import jax
 import numpy as np
 
@@ -46,6 +47,23 @@ from rlax.weights import AdapterTransport, CrossProcessTransport, DevicePutTrans
 def tokenizer(run: RunConfig) -> Tokenizer:
   """The HF directory's tokenizer (special tokens, chat template, stop tokens), else the demo's."""
   return hf.load_tokenizer(run.hf_checkpoint) if run.hf_checkpoint else tok_lib.demo_tokenizer()
+
+
+def checked_tokenizer(run: RunConfig, tok: Optional[Tokenizer] = None) -> Tokenizer:
+  """`tok` (default: the run's), after checking that the model embeds every token id."""
+  tok = tok or tokenizer(run)
+  if tok.vocab_size > run.model.vocab_size:
+    raise ValueError(f"tokenizer has {tok.vocab_size} tokens but model.vocab_size is {run.model.vocab_size}")
+  return tok
+
+
+def workdir(run: RunConfig) -> str:
+  """The run's directory, created where it is not there yet."""
+  try:
+    os.makedirs(run.workdir, exist_ok=True)
+  except OSError as e:  # a read-only filesystem, or a race with the check in config.validate
+    raise ValueError(f"workdir={run.workdir!r}: {e.strerror}") from None
+  return run.workdir
 
 
 def renderer(run: RunConfig, tok: Tokenizer) -> PromptRenderer:
@@ -103,6 +121,29 @@ def datasets(run: RunConfig) -> tuple[list[Record], list[Record]]:
   return train, held
 
 
+def train_and_eval_records(run: RunConfig, render: PromptRenderer,
+                           records: Optional[tuple[list[Record], list[Record]]] = None
+                           ) -> tuple[list[Record], list[Record], dict]:
+  """(train, eval, {"train": dropped, "eval": dropped}): `records` (train, eval), else the run's datasets, less
+  the prompts longer than rollout.max_prompt_len (the sampler cannot generate from them)."""
+  train, held = records or datasets(run)
+  limit = run.rollout.max_prompt_len
+  kept, dropped = render.fitting(train, limit)
+  kept_eval, dropped_eval = render.fitting(held, limit)
+  if (dropped or dropped_eval) and records is None and not run.data.train_files:
+    # A built-in task's prompts come from one generator: dropping the longer ones would skew the task.
+    longest = max(len(render.encode(r)) for r in [*train, *held])
+    raise ValueError(f"rollout.max_prompt_len={limit} is shorter than {dropped + dropped_eval} of task "
+                     f"{run.data.task!r}'s prompts (the longest has {longest} tokens); raise it to {longest}")
+  if dropped or dropped_eval:
+    logging.warning("dropped %d train and %d eval prompts longer than rollout.max_prompt_len=%d tokens",
+                    dropped, dropped_eval, limit)
+  if not kept or not kept_eval:
+    raise ValueError(f"every {'training' if not kept else 'eval'} prompt is longer than "
+                     f"rollout.max_prompt_len={limit} tokens; raise it")
+  return kept, kept_eval, {"train": dropped, "eval": dropped_eval}
+
+
 def record_iterator(run: RunConfig, records: list[Record]) -> RecordIterator:
   return RecordIterator(records, seed=run.seed)
 
@@ -113,13 +154,13 @@ def reward_fn(run: RunConfig):
 
 
 def episodes(run: RunConfig, tok: Tokenizer, render: PromptRenderer, reward, pool):
-  """`episodes(stream, sync, keys) -> EpisodeStream` over the configured environment, or None (env.name ""):
-  one environment per episode, built by the registry's factory with the run's tokenizer, renderer, reward and
+  """`episodes(stream, sync, keys) -> EpisodeStream` over the configured environment (env.name "": one-turn
+  episodes, rlax.envs.single_turn_episodes): one environment per episode, built by the registry's factory with the run's tokenizer, renderer, reward and
   verifier pool. keys=True (training): tool calls are journaled in <workdir>/tool_journal.jsonl, so a resumed
   run replays the calls the killed one had finished."""
   e = run.env
   if not e.name:
-    return None
+    return envs.single_turn_episodes(render, reward, pool.grade)
   factory = envs.get(e.name)
   ctx = envs.EnvContext(tokenizer=tok, render=render, reward_fn=reward, grade=pool.grade, pool=pool, config=e,
                         journal=envs.ToolJournal(os.path.join(run.workdir, journal.FILE)))

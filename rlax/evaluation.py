@@ -30,10 +30,10 @@ import numpy as np
 from rlax import builders
 from rlax import checkpoint as checkpoint_lib
 from rlax import config as config_lib
+from rlax import envs
 from rlax.data.records import read_records
 from rlax.envs import episodes as episodes_lib
 from rlax.models import hf
-from rlax.rollout import packing
 from rlax.sampler import Greedy
 from rlax.topology import build_topology
 
@@ -77,8 +77,8 @@ def evaluate(generate_fn: GenerateFn, records: Sequence, reward_fn: RewardFn, n:
              greedy_fn: Optional[GenerateFn] = None) -> dict[str, float]:
   """Samples n completions per record, grades them, returns metrics.
 
-  rewards_fn(records, n) -> [len(records), n] rewards replaces generate_fn and grading (multi-turn episodes,
-  rewarded by their environment; greedy_fn then too: rewards_fn.greedy).
+  rewards_fn(records, n) -> [len(records), n] rewards replaces generate_fn and grading (episodes, rewarded as
+  they end: `rlax.envs.episodes.rewards_fn`; greedy_fn then returns rewards too).
 
   A sample counts as correct when its reward > `success`. `grade_fn(fn, completions, records)`
   may be a `VerifierPool.grade` to grade in parallel (default: sequential calls of `reward_fn`).
@@ -129,19 +129,15 @@ def evaluate(generate_fn: GenerateFn, records: Sequence, reward_fn: RewardFn, n:
 def held_out(records: Sequence, *, sampler, render, reward_fn: RewardFn, pool, method, n: int, seed: int,
              weights=None, episodes=None, greedy: bool = False) -> dict[str, float]:
   """Held-out pass@1 and pass@n of the policy `weights` (a source as the sampler reads it; None: its own)
-  on `records`: n samples each with `method`, keys from `seed`, graded in `pool` (or, with `episodes`, the
-  `rlax.builders.episodes` factory, rewarded by the environment; its episode stats added); with greedy,
-  greedy accuracy too."""
-  if episodes is not None:  # through the environment, as training samples it
-    gen, episodic = None, episodes_lib.rewards_fn(episodes, sampler, method, seed=seed, weights=weights)
-    greedy_fn = episodes_lib.rewards_fn(episodes, sampler, Greedy(), seed=seed, weights=weights) if greedy else None
-  else:
-    gen, episodic = packing.text_generate_fn(sampler, render, method, seed=seed, step=0, weights=weights), None
-    greedy_fn = packing.text_generate_fn(sampler, render, Greedy(), seed=seed, step=0, weights=weights) if greedy else None
-  res = evaluate(gen, records, reward_fn, n=n, ks=sorted({1, n}), grade_fn=pool.grade, rewards_fn=episodic,
+  on `records`: n episodes each with `method`, keys from `seed`, as training samples them: `episodes` (the
+  `rlax.builders.episodes` factory, rewarded by the environment; its episode stats added), None: one-turn
+  episodes of `render`'s prompts graded with `reward_fn` in `pool`; with greedy, greedy accuracy too."""
+  episodes = episodes or envs.single_turn_episodes(render, reward_fn, pool.grade)
+  sampled = episodes_lib.rewards_fn(episodes, sampler, method, seed=seed, weights=weights)
+  greedy_fn = episodes_lib.rewards_fn(episodes, sampler, Greedy(), seed=seed, weights=weights) if greedy else None
+  res = evaluate(None, records, reward_fn, n=n, ks=sorted({1, n}), grade_fn=pool.grade, rewards_fn=sampled,
                  greedy_fn=greedy_fn)
-  if episodic is not None:  # how the held-out episodes went: turns, tool calls, valid-call rate, stops
-    res.update(episodes_lib.batch_stats(episodic.episodes))
+  res.update(sampled.stats())  # multi-turn: how the episodes went (turns, tool calls, valid-call rate, stops)
   return res
 
 

@@ -1,4 +1,5 @@
-"""Ahead-of-time plan: compile the real trainer, sampler and weight-push programs for a target topology.
+"""Ahead-of-time plan: compile the run's trainer, sampler and weight-push programs, at the run's sizes, for a
+target topology.
 
     plan = make_plan(config)          # config: configs/paper_qwq32b.py's get_config()
     print(format_table(plan))
@@ -6,39 +7,50 @@
 Devices: `jax.experimental.topologies.get_topology_desc(c.plan.topology, "tpu", num_slices=...)` (the `tpu`
 extra; no TPU attached), or the local backend's for "local" (tests: 8 fake CPU devices), through the runtime's
 own `build_topology`. Programs are built through public lowerings only (`Trainer.abstract_state` /
-`abstract_batch` / `lower_step`, `Sampler.abstract_state` / `lower_admit` / `lower_decode`,
+`lower_step`, `Sampler.abstract_state` / `lower_admit` / `lower_decode` / `lower_recompute`,
 `CrossMeshPush.lowered`), so the plan cannot drift from what runs (on TPU the decode chunk is the paged
 layout's, with jax's Pallas kernel). Each is compiled; `memory_analysis()` gives per-chip bytes and
-`cost_analysis()` FLOPs and bytes accessed. Times are a roofline, max(flops / peak, bytes / HBM bandwidth): a
-lower bound. The weight push time is a bandwidth model, not a measurement.
+`cost_analysis()` FLOPs and bytes accessed, each checked against the chip's HBM. Times are a roofline,
+max(flops / peak, bytes / HBM bandwidth): a lower bound. The weight push time is a bandwidth model.
+
+What it lowers (rlax.planning_programs), against what the run compiles:
+  trainer: every RL step the run compiles ahead (`rlax.run.train_plan`): `trainer_step` is the one with the
+    largest micro-batch, `trainer_step[<rows>x<length>]` the others. Not lowered: with algorithm.kl_coef > 0
+    the reference log-prob programs (the trainer has no public lowering of them).
+  sampler, with the run's slots (`rlax.builders.slots`, budget: the chip's HBM): the decode chunk over all
+    slots with the rollout's sampling method; the prefill and admission of a full admission
+    (`Sampler.group_buckets(G)[-1]` prompts) of the rollout's groups, and of any other group size the run
+    samples with (evaluation, greedy) that admits more prompts at once (`sampler_prefill[<groups>x<samples>]`);
+    the recompute after a weight swap (rollout.on_swap="recompute"). Not lowered: the decode, recompute and
+    cancel at the smaller `Sampler.slot_buckets` and with the other sampling methods, the smaller admission
+    buckets (all smaller than those lowered), gather / grow between buckets (copies of the slot state, no
+    weights) and multi-turn extensions (compiled lazily).
+  weights: the push's three parts (not colocated) and with LoRA the sampler's merge.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Any
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from rlax import builders
 from rlax import config as config_lib
 from rlax import models
+from rlax import planning_programs as lowerings
 from rlax import planning_sync
-from rlax import run as run_lib
 from rlax.multihost import CrossMeshPush
-from rlax.sampler import Sampler, Temperature, layouts, paged, sizing
+from rlax.sampler import Sampler
 from rlax.topology import Topology, build_topology
-from rlax.trainer import Trainer
 
 GIB = 2 ** 30
-PROGRAMS = ("trainer_step", "sampler_prefill", "sampler_admit", "sampler_decode", "push_to_transport",
-            "push_cross", "push_to_sampler")
+PROGRAMS = ("trainer_step", "sampler_prefill", "sampler_admit", "sampler_decode", "sampler_recompute",
+            "push_to_transport", "push_cross", "push_to_sampler")
 LORA_PROGRAMS = ("sampler_merge",)  # with model.lora: the adapters merged into the sampler's pristine base
 
 
@@ -136,109 +148,32 @@ def _no_fit(name: str, need: float, chip: Chip, what: str, knob: str) -> str:
           f"(over by {(need - chip.hbm_bytes) / GIB:.3g} GiB; {what}); try {knob}")
 
 
-def build_sampler(c: config_lib.RunConfig, mesh: Mesh, scan: bool | None = None) -> Sampler:
-  """The sampling engine the runtime builds, on `mesh` with `c.plan.sampler_batch` slots; its cache layout is
-  the runtime's for these devices (on TPU: the paged pool, with jax's Pallas kernel where it compiles).
-
-  No memory budget: the plan measures memory from the compiled programs instead. scan: override
-  `c.model.scan_layers` (False: the layers unrolled, which XLA's cost analysis counts in full).
-  """
-  r = c.rollout
-  cfg = c.model if scan is None else c.model.replace(scan_layers=scan)
-  return Sampler(cfg, mesh, max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
-                 slots=c.plan.sampler_batch, eos_id=0, decode_chunk=r.decode_chunk, memory_budget_bytes=1 << 62)
-
-
-def trainer_program(c: config_lib.RunConfig, trainer: Trainer, chip: Chip) -> jax.stages.Lowered:
-  """`trainer`'s RL step lowered for the run's batch whose micro-batch is largest (rlax.run.train_plan); fails fast (before a compile that takes minutes at 32B)
-  when the train state alone exceeds HBM."""
-  batch = run_lib.train_plan(c, trainer).largest_abstract(trainer, with_ref=c.algorithm.kl_coef > 0)
-  state = trainer.abstract_state()
-  resident = sum(planning_sync.shard_bytes(x) for x in jax.tree.leaves(state))
-  if resident > chip.hbm_bytes:
-    raise PlanError(_no_fit("trainer_step", resident, chip, "params + optimizer state alone",
-                            "more FSDP (topology.trainer_mesh.fsdp) or more trainer slices"))
-  return trainer.lower_step(state, batch)
-
-
-def sampler_programs(c: config_lib.RunConfig, sampler: Sampler, chip: Chip) -> dict[str, Any]:
-  """Thunks lowering the engine's programs through its public lowerings: the prefill of a full admission
-  (every slot's group at once), its admission into the slots, and the decode chunk over all slots."""
-  r = c.rollout
-  B, G = sampler.slots, r.samples_per_prompt
-  if B % G:
-    raise ValueError(f"plan.sampler_batch={B} is not a multiple of rollout.samples_per_prompt={G}")
-  resident = sampler.memory["params"] + sampler.memory["cache"]  # the engine's own accounting
-  if c.lora.enabled:  # + the pristine base the adapters merge into
-    resident += planning_sync.pristine_bytes(c, sampler.mesh)
-  if resident > chip.hbm_bytes:
-    raise PlanError(_no_fit("sampler_decode", resident, chip, "params + KV cache alone",
-                            f"{_KNOBS['sampler_decode'][0]} or {_KNOBS['sampler_decode'][1]}"))
-  strategy = Temperature(r.temperature)
-  admit = functools.lru_cache(maxsize=1)(lambda: sampler.lower_admit(B // G, G, strategy))
-  return {"sampler_prefill": lambda: admit()["prefill"], "sampler_admit": lambda: admit()["admit"],
-          "sampler_decode": lambda: sampler.lower_decode(strategy)}
-
-
-def decode_counts(c: config_lib.RunConfig, sampler: Sampler, unrolled: jax.stages.Compiled) -> dict[str, Any]:
-  """Per-chip bytes of one decode step, which the scanned program's cost analysis cannot give.
-
-  XLA counts a loop body once and cannot see into a Mosaic kernel, so the chunk is compiled with its layers
-  unrolled (`unrolled`) and on the paged layout the kernel's own count is added (`paged.kernel_cost`: every page
-  of every slot at the full context). Compared with what a step must read: weights + KV cache per chip. XLA's
-  count is of the whole chunk, whose while loop carries the state and weights in its tuple (not separable from
-  per-step traffic); the dense layout's chunk has one loop per segment bound, each body counted once.
-  """
-  r, cfg, mesh, lay = c.rollout, c.model, sampler.mesh, sampler.layout
-  S, max_len = sampler.slots, r.max_prompt_len + r.max_new_tokens
-  cost = unrolled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
-  xla = float(cost.get("bytes accessed", 0.0))
-  kernel = dict(bytes_accessed=0.0, flops=0.0, pages_read=0)
-  paged_layout = isinstance(lay, layouts.Paged)
-  if paged_layout and lay.attention == "kernel":  # per chip: its own slots and KV heads (and their query heads)
-    state = sampler.abstract_state()
-    s_loc = state.t.sharding.shard_shape((S,))[0]
-    k_loc = state.cache.k.sharding.shard_shape(state.cache.k.shape)[0]
-    local = cfg.replace(n_kv_heads=k_loc, n_heads=cfg.n_heads // cfg.n_kv_heads * k_loc)
-    ppb = paged.default_pages_per_block(lay.pages, lay.page_size)  # what the kernel call uses
-    kernel = paged.kernel_cost(local, [max_len] * s_loc, lay.page_size, ppb, q_dtype=jnp.float32)
-  weights = sizing.weight_bytes(cfg, mesh)
-  kv = sizing.kv_bytes(cfg, lay, S, mesh)
-  step = xla + kernel["bytes_accessed"]
-  return dict(layout="paged" if paged_layout else "dense", attention=lay.attention if paged_layout else "dense",
-              page_size=lay.page_size if paged_layout else 0, slots=S, context=max_len,
-              xla_step_bytes=xla, xla_step_flops=float(cost.get("flops", 0.0)), kernel_bytes=kernel["bytes_accessed"],
-              kernel_flops=kernel["flops"], kernel_pages_read=kernel["pages_read"], step_bytes=step,
-              weights_bytes=weights, kv_bytes=kv, ratio=step / max(weights + kv, 1))
-
-
-def _analyze(name: str, mesh_desc: str, lower, chip: Chip, extra_s: float = 0.0) -> tuple[Program, Any]:
-  """Lowers (`lower()`) and compiles one program, reads its per-chip figures; PlanError when it does not fit."""
+def _analyze(low: lowerings.Lowering, mesh_desc: str, chip: Chip, extra_s: float = 0.0) -> tuple[Program, Any]:
+  """Lowers and compiles one program, reads its per-chip figures; PlanError when it does not fit."""
   t0 = time.perf_counter()
-  compiled = lower().compile()
+  compiled = low.lower().compile()
   dt = time.perf_counter() - t0 + extra_s
   m = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
-  prog = Program(name, mesh_desc, int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
+  prog = Program(low.name, mesh_desc, int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
                  int(m.alias_size_in_bytes), int(m.temp_size_in_bytes), float(cost.get("flops", 0.0)),
                  float(cost.get("bytes accessed", 0.0)), dt)
-  logging.info("plan: compiled %s in %.1f s: peak %.2f GiB per chip", name, dt, prog.peak_bytes / GIB)
+  if low.est_flops:  # with an analytic count, the bytes it must touch: its inputs and outputs
+    prog.est_flops, prog.est_bytes = low.est_flops, prog.argument_bytes + prog.output_bytes
+  logging.info("plan: compiled %s in %.1f s: peak %.2f GiB per chip", low.name, dt, prog.peak_bytes / GIB)
   check_fit([prog], chip)
   return prog, compiled
 
 
+def _check_resident(name: str, resident: float, chip: Chip, what: str, knob: str) -> None:
+  """Fails fast, before a compile that takes minutes at 32B, when the resident state alone exceeds HBM."""
+  if resident > chip.hbm_bytes:
+    raise PlanError(_no_fit(name, resident, chip, what, knob))
+
+
 def _mesh_desc(mesh) -> str:
   return "x".join(f"{k}{v}" for k, v in mesh.shape.items() if v > 1) or "1"
-
-
-def model_flops(cfg: models.ModelConfig, tokens: int, context: int) -> float:
-  """Forward FLOPs: 2 x matmul params per token + attention (2 x 2 x layers x heads x head_dim x context)."""
-  D, L, H, K, Dh, F, V = (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim,
-                          cfg.vocab_size)
-  matmul = L * (D * (H + 2 * K) * Dh + H * Dh * D + 3 * D * F) + D * V
-  return tokens * (2 * matmul + 4 * L * H * Dh * context)
 
 
 def selected_programs(p) -> tuple[str, ...]:
@@ -267,27 +202,38 @@ def make_plan(c) -> dict[str, Any]:
   topo = build_topology(c.topology, devices=devices)
   desc_t, desc_s = _mesh_desc(topo.trainer_mesh), _mesh_desc(topo.sampler_mesh)
   trainer = builders.trainer(c, topo.trainer_mesh)  # the runtime's own builder
-  progs = []
+  progs, train = [], lowerings.train_lowerings(c, trainer)
   if "trainer_step" in want:
-    progs.append(_analyze("trainer_step", desc_t, lambda: trainer_program(c, trainer, chip), chip)[0])
-  sampler = build_sampler(c, topo.sampler_mesh)
-  first = build_sampler(c, on_first_slices(topo.sampler_mesh, devices))
+    state = sum(planning_sync.shard_bytes(x) for x in jax.tree.leaves(trainer.abstract_state()))
+    _check_resident("trainer_step", state, chip, "params + optimizer state alone",
+                    "more FSDP (topology.trainer_mesh.fsdp) or more trainer slices")
+    progs += [_analyze(low, desc_t, chip)[0] for low in train]
+  slots = lowerings.sampler_slots(c, topo.sampler_mesh, chip.hbm_bytes)
+  sampler = lowerings.build_sampler(c, topo.sampler_mesh, slots)
+  first = lowerings.build_sampler(c, on_first_slices(topo.sampler_mesh, devices), slots)
   decode = None
-  if {"sampler_prefill", "sampler_admit", "sampler_decode"} & set(want):
-    sp = sampler_programs(c, first, chip)
-    for name in ("sampler_prefill", "sampler_admit"):
-      if name in want:
-        progs.append(_analyze(name, desc_s, sp[name], chip)[0])
-  if "sampler_decode" in want:
-    prog, compiled = _analyze("sampler_decode", desc_s, sp["sampler_decode"], chip)
+  sampler_all = lowerings.sampler_lowerings(c, first)
+  sampler_lows = [low for low in sampler_all if low.base in want]
+  if sampler_lows:
+    resident = first.memory["params"] + first.memory["cache"]  # the engine's own accounting
+    if c.lora.enabled:  # + the pristine base the adapters merge into
+      resident += planning_sync.pristine_bytes(c, first.mesh)
+    _check_resident("sampler_decode", resident, chip, "params + KV cache alone",
+                    " or ".join(_KNOBS["sampler_decode"]))
+  for low in sampler_lows:
+    prog, compiled = _analyze(low, desc_s, chip)
     progs.append(prog)
+    if low.name != "sampler_decode":
+      continue
     t0, counted_s = time.perf_counter(), prog.compile_s
     if first.layout.scans and cfg.scan_layers:  # XLA counts a scanned layer once: count the unrolled chunk
-      compiled = build_sampler(c, first.mesh, scan=False).lower_decode(Temperature(c.rollout.temperature)).compile()
+      unrolled = lowerings.build_sampler(c, first.mesh, slots, scan=False)
+      compiled = unrolled.lower_decode(builders.sampling_method(c)).compile()
       counted_s = time.perf_counter() - t0
-    decode = dict(decode_counts(c, first, compiled), unrolled_compile_s=counted_s)
+    decode = dict(lowerings.decode_counts(c, first, compiled), unrolled_compile_s=counted_s)
   if c.lora.enabled and "sampler_merge" in want:
-    progs.append(_analyze("sampler_merge", desc_s, lambda: planning_sync.lower_merge(c, first), chip)[0])
+    merge = lowerings.Lowering("sampler_merge", lambda: planning_sync.lower_merge(c, first))
+    progs.append(_analyze(merge, desc_s, chip)[0])
   if not topo.colocated and {"push_to_transport", "push_cross", "push_to_sampler"} & set(want):
     target = planning_sync.push_target(c, sampler)  # what the sampler receives: weights, or LoRA's adapters
     push = CrossMeshPush(topo.trainer_mesh, topo.sampler_mesh, jax.tree.map(lambda x: x.sharding, target),
@@ -298,37 +244,30 @@ def make_plan(c) -> dict[str, Any]:
     meshes = {"push_to_transport": push.mirror, "push_cross": push.global_mesh, "push_to_sampler": topo.sampler_mesh}
     for name, lowered in parts.items():
       if name in want:
-        progs.append(_analyze(name, _mesh_desc(meshes[name]), lambda: lowered, chip, extra_s=lower_s)[0])
-  return _table(c, chip, cfg, topo, progs, devices, sampler, decode)
+        low = lowerings.Lowering(name, lambda lowered=lowered: lowered)
+        progs.append(_analyze(low, _mesh_desc(meshes[name]), chip, extra_s=lower_s)[0])
+  shapes = {low.name: low.shape for low in [*train, *sampler_all]}
+  return _table(c, chip, cfg, topo, progs, devices, sampler, decode, shapes)
 
 
 def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[Program], devices, sampler: Sampler,
-           decode: dict[str, Any] | None = None) -> dict[str, Any]:
+           decode: dict[str, Any] | None, shapes: dict[str, dict]) -> dict[str, Any]:
   r = c.rollout
-  rows = r.rows
-  seq = r.max_prompt_len + r.max_new_tokens
+  rows, seq = r.rows, r.max_prompt_len + r.max_new_tokens
   by = {q.name: q for q in progs}
-  n_tr, n_sa = topo.trainer_mesh.devices.size, topo.sampler_mesh.devices.size
-  B, G = c.plan.sampler_batch, r.samples_per_prompt
-  # forward + backward (2x; LoRA: 1x, no weight gradients of the frozen base) + the remat forward
-  passes = (4 if cfg.remat else 3) - (1 if c.lora.enabled else 0)
   estimates = {}
   if "trainer_step" in by:
-    by["trainer_step"].est_flops = passes * model_flops(cfg, rows * seq, seq // 2) / n_tr
-    by["trainer_step"].est_bytes = by["trainer_step"].argument_bytes + by["trainer_step"].output_bytes
     step_s = by["trainer_step"].roofline_s(chip)
     estimates.update(train_step_s=step_s, train_tokens_per_s=rows * seq / max(step_s, 1e-12),
                      train_mfu_flops_per_chip=by["trainer_step"].est_flops)
   if "sampler_prefill" in by:
-    by["sampler_prefill"].est_flops = model_flops(cfg, B // G * r.max_prompt_len, r.max_prompt_len // 2) / n_sa
-    by["sampler_prefill"].est_bytes = by["sampler_prefill"].argument_bytes + by["sampler_prefill"].output_bytes
     estimates.update(prefill_s=by["sampler_prefill"].roofline_s(chip))
   if "sampler_decode" in by:
     # Its bytes are counted, not assumed: XLA over the unrolled layers (+ the kernel's page reads).
-    by["sampler_decode"].est_flops = model_flops(cfg, B, seq) / n_sa
     by["sampler_decode"].est_bytes = decode["step_bytes"]
     decode_s = by["sampler_decode"].roofline_s(chip)
-    estimates.update(decode_token_step_s=decode_s, sampler_tokens_per_s=B / max(decode_s, 1e-12), decode=decode)
+    estimates.update(decode_token_step_s=decode_s, sampler_tokens_per_s=sampler.slots / max(decode_s, 1e-12),
+                     decode=decode)
   slices = {getattr(d, "slice_index", 0) for d in topo.devices_of(topo.assignment.trainer)}
   cross_dcn = not slices & {getattr(d, "slice_index", 0) for d in topo.devices_of(topo.assignment.sampler)}
   estimates.update(planning_sync.estimates(c, sampler, chip, cross_dcn and not topo.colocated))
@@ -337,7 +276,8 @@ def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[P
                   topology=f"{c.plan.topology} x {c.plan.num_slices}", chip=chip.name,
                   trainer_mesh=dict(topo.trainer_mesh.shape), sampler_mesh=dict(topo.sampler_mesh.shape),
                   batch_rows=rows, seq_len=seq, micro_batches=c.optimizer.micro_batches,
-                  sampler_batch=c.plan.sampler_batch, lora_rank=c.lora.rank),
+                  sampler_slots=sampler.slots, slot_buckets=list(sampler.slot_buckets), lora_rank=c.lora.rank,
+                  train_programs=[dict(name=n, **s) for n, s in shapes.items() if n.startswith("trainer_step")]),
       assumptions=dict(hbm_gib=chip.hbm_bytes / GIB, peak_tflops=chip.peak_flops / 1e12,
                        hbm_tb_s=chip.hbm_bw / 1e12, ici_gb_s=chip.ici_bw / 1e9, dcn_gb_s=chip.dcn_bw / 1e9,
                        time=("roofline max(flops/peak, bytes/hbm_bw) per chip; flops/bytes = max(cost_analysis, "
@@ -347,8 +287,8 @@ def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[P
                                "its layers unrolled + on the paged layout the kernel's page reads (jax's kernel "
                                "ships no cost estimate)"),
                        push="bandwidth model: transport (ICI) + cross (DCN across slices) + gather (ICI)"),
-      programs=[dict(dataclasses.asdict(q), peak_bytes=q.peak_bytes, peak_gib=round(q.peak_bytes / GIB, 3),
-                     hbm_frac=round(q.peak_bytes / chip.hbm_bytes, 4), roofline_s=q.roofline_s(chip),
+      programs=[dict(dataclasses.asdict(q), shape=shapes.get(q.name, {}), peak_bytes=q.peak_bytes,
+                     peak_gib=round(q.peak_bytes / GIB, 3), hbm_frac=round(q.peak_bytes / chip.hbm_bytes, 4), roofline_s=q.roofline_s(chip),
                      analytic_s=q.analytic_s(chip))
                 for q in progs],
       estimates=estimates,
@@ -360,21 +300,24 @@ def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[P
 _KNOBS = {
     "trainer_step": ("more micro-batches (optimizer.micro_batches)", "more FSDP (topology.trainer_mesh.fsdp) or "
                      "bf16 params (model.overrides.param_dtype)"),
-    "sampler_prefill": ("fewer rows per call (plan.sampler_batch) or shorter rollout.max_prompt_len",
+    "sampler_prefill": ("fewer slots (rollout.slots) or shorter rollout.max_prompt_len",
                         "more tensor parallelism (topology.sampler_mesh.tensor)"),
-    "sampler_decode": ("fewer rows per call (plan.sampler_batch) or shorter rollout.max_new_tokens",
+    "sampler_decode": ("fewer slots (rollout.slots) or shorter rollout.max_new_tokens",
                        "more tensor parallelism (topology.sampler_mesh.tensor)"),
-    "sampler_admit": ("fewer slots (plan.sampler_batch) or shorter rollout.max_new_tokens",
+    "sampler_admit": ("fewer slots (rollout.slots) or shorter rollout.max_new_tokens",
                       "more tensor parallelism (topology.sampler_mesh.tensor)"),
+    "sampler_recompute": ("fewer slots (rollout.slots) or rollout.on_swap='keep'",
+                          "more tensor parallelism (topology.sampler_mesh.tensor)"),
 }
 
 
 def check_fit(progs: list[Program], chip: Chip) -> None:
   for q in progs:
     if q.peak_bytes > chip.hbm_bytes:
-      act, weights = _KNOBS.get(q.name, ("smaller buckets", "more devices per role"))
+      base = q.name.split("[")[0]  # a variant's knobs are its row's
+      act, weights = _KNOBS.get(base, ("smaller buckets", "more devices per role"))
       knob = act if q.temp_bytes >= q.argument_bytes else weights
-      if q.name == "trainer_step" and q.temp_bytes >= q.argument_bytes:
+      if base == "trainer_step" and q.temp_bytes >= q.argument_bytes:
         knob += " or remat (model.overrides.remat=True)"
       raise PlanError(_no_fit(q.name, q.peak_bytes, chip, f"args {q.argument_bytes / GIB:.3g}, temp "
                               f"{q.temp_bytes / GIB:.3g} GiB", knob))

@@ -20,12 +20,11 @@ class PlanConfig:
   hbm_tb_s: float = 2.76
   ici_gb_s: float = 300.0         # per chip, one direction (half of the published 4800 Gbps bidirectional)
   dcn_gb_s: float = 6.25          # per chip: a 200 Gbps NIC per 4-chip host / 4
-  sampler_batch: int = 8          # rows per sampler prefill / decode call
   programs: str = ""              # comma-separated program names to compile (rlax.planning.PROGRAMS); "" = all
 
   def validate(self) -> "PlanConfig":
     # `programs` names are checked against the planner's list where it compiles (rlax.planning.selected_programs).
-    for name in ("num_slices", "sampler_batch", "hbm_gib", "peak_tflops", "hbm_tb_s", "ici_gb_s", "dcn_gb_s"):
+    for name in ("num_slices", "hbm_gib", "peak_tflops", "hbm_tb_s", "ici_gb_s", "dcn_gb_s"):
       if not getattr(self, name) > 0:
         raise ValueError(f"plan.{name}={getattr(self, name)!r} must be > 0")
     return self

@@ -46,7 +46,7 @@ def test_every_section_validates_at_its_defaults(cls):
     ("checkpoint", "export_every", -1),
     ("faults", "lose_slice_at", ((-1, 5),)), ("faults", "kill_in_recovery", (("rebuild", "SIGKILL"),)),
     ("faults", "kill_in_recovery", (("build", "SIGSTOP"),)),
-    ("plan", "num_slices", 0), ("plan", "sampler_batch", 0), ("plan", "hbm_gib", 0.0),
+    ("plan", "num_slices", 0), ("plan", "hbm_gib", 0.0),
     ("model.lora", "rank", -1), ("model.lora", "dropout", 0.1), ("model.lora", "targets", ("qkv",)),
 ])
 def test_a_bad_field_is_one_error_naming_it(section, field, value):

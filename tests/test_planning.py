@@ -131,6 +131,47 @@ def test_plan_programs_selects_what_compiles():
     planning.make_plan(c)
 
 
+def test_plan_compiles_every_train_program_and_the_runs_admissions():
+  """The run's own sizes: every train program of `train_plan` (here packed and padded), the sampler with the
+  slots the runtime gives it (rollout.slots=0: the batch's rows) and the full admission of each group size
+  that admits more prompts than the rollout's (eval.n_samples=2: 8 prompts against 4)."""
+  c = tiny_config()
+  c.optimizer.share_prompts = False  # the padded program joins the packed one
+  c.rollout.slots, c.eval.n_samples = 0, 2
+  c.plan.programs = "trainer_step,sampler_prefill"
+  t = planning.make_plan(c)
+  run = config_lib.load(c)
+  topo = build_topology(run.topology)
+  trainer = builders.trainer(run, topo.trainer_mesh)
+  plan = run_lib.train_plan(run, trainer)
+  largest = plan.largest_micro_batch(trainer.mesh)
+  assert len(plan.programs) == 2
+  names = ["trainer_step"] + [f"trainer_step[{p.rows}x{p.length}{'' if p.packed else ',padded'}]"
+                              for p in plan.programs if p != largest]
+  progs = {p["name"]: p for p in t["programs"]}
+  assert list(progs) == names + ["sampler_prefill", "sampler_prefill[8x2]"]
+  assert [(p["rows"], p["length"], p["micro_batches"]) for p in t["config"]["train_programs"]] == [
+      (p.rows, p.length, p.micro_batches) for p in [largest] + [p for p in plan.programs if p != largest]]
+  for name in names:  # each compiled and checked; the same analytic count (one batch's tokens)
+    assert progs[name]["argument_bytes"] > 0 and progs[name]["est_flops"] == progs["trainer_step"]["est_flops"]
+  assert t["config"]["sampler_slots"] == builders.slots(run, topo.sampler_mesh) == 16
+  assert progs["sampler_prefill"]["shape"] == dict(groups=4, samples=4)
+  assert progs["sampler_prefill[8x2]"]["shape"] == dict(groups=8, samples=2)
+  assert progs["sampler_prefill[8x2]"]["est_flops"] == 2 * progs["sampler_prefill"]["est_flops"]
+
+
+def test_plan_sizes_slots_by_the_chip_hbm():
+  """rollout.slots=-1: the runtime's sizing with the plan chip's HBM as the budget (here: the cap, the batch and
+  the next one's prompts in flight)."""
+  c = tiny_config()
+  c.rollout.slots = -1
+  c.plan.programs = "push_cross"
+  t = planning.make_plan(c)
+  run = config_lib.load(c)
+  mesh = build_topology(run.topology).sampler_mesh
+  assert t["config"]["sampler_slots"] == builders.slots(run, mesh, budget=95 * 2 ** 30, platform="cpu") == 32
+
+
 def test_transport_spec_hand_cases():
   assert transport_spec((8, 6), {"data": 2, "fsdp": 1, "tensor": 2}) == P(("data", "tensor"), None)
   assert transport_spec((6, 3), {"data": 2, "fsdp": 1, "tensor": 2}) == P(("tensor",), None)
@@ -249,7 +290,8 @@ def test_planner_uses_only_public_lowerings():
   """No private attribute of the trainer or sampler is read: a runtime layout change cannot stale the plan."""
   import inspect
   import re
-  src = inspect.getsource(planning)
+  from rlax import planning_programs
+  src = inspect.getsource(planning) + inspect.getsource(planning_programs)
   assert not re.search(r"\b(trainer|sampler|eng)\._", src), re.findall(r"\b(?:trainer|sampler|eng)\._\w+", src)
 
 

@@ -74,7 +74,8 @@ class FinishedEpisodes:
   """A prompt group whose episodes all ended: `out` its G training rows (sample order), `rewards` [G], per
   episode a dict of turns, rows, tool-call outcomes, stop reason, appended and total token counts, and info,
   and `forks` [G, N] (N: out's response width): AFTER_PROMPT or ALONE where a new row of the episode starts
-  (its re-rendered prompt's tokens past the first prompt, or all of them, then its turns), else 0."""
+  (its re-rendered prompt's tokens past the first prompt, or all of them, then its turns), else 0; None from
+  a source whose episodes are one row each (rlax.envs.one_turn)."""
   tag: Any
   out: SampleOutput
   rewards: np.ndarray
@@ -96,6 +97,7 @@ class EpisodeStream:
     self._groups: dict[int, _Group] = {}
     self._waiting: dict[int, tuple[_Group, _Episode]] = {}  # row → its episode, awaiting env.step
     self._next = 0
+    self.reward_s = 0.0  # environments grade on their own loop, overlapping the decode: that time is in gen_s
     self._loop = asyncio.new_event_loop()
     self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="episode-envs")
     self._thread.start()
@@ -312,6 +314,10 @@ class EpisodeStream:
   def timings(self) -> dict:
     return self.stream.timings()
 
+  def stats(self, episodes: Sequence[dict]) -> dict[str, float]:
+    """Step metrics over these episodes (`batch_stats`)."""
+    return batch_stats(episodes)
+
   def run(self, records: Sequence, **submit) -> list[FinishedEpisodes]:
     """Every episode of `records` to its end; groups in record order."""
     tags = self.submit(records, tags=range(len(records)), **submit)
@@ -340,19 +346,22 @@ def batch_stats(episodes: Sequence[dict]) -> dict[str, float]:
 
 
 def rewards_fn(make: Callable, sampler, method, *, seed: int, weights=None) -> Callable:
-  """`rewards(records, n) -> [len(records), n]` episode rewards over the sampler (held-out evaluation of a
-  multi-turn task); `make(stream, sync)` as `rlax.builders.episodes` returns. `rewards.episodes` collects
-  every episode's stats (for `batch_stats`), `rewards.lengths` its (tokens, truncated: it ran out of room)."""
-  calls = [0]
+  """`rewards(records, n) -> [len(records), n]` episode rewards over the sampler (held-out evaluation of any
+  task); `make(stream, sync)` as `rlax.builders.episodes` or `single_turn_episodes` returns. `rewards.episodes`
+  collects every episode's stats, `rewards.lengths` its (tokens, truncated: it ran out of room);
+  `rewards.stats()` the episodes' metrics as their source reports them."""
+  calls, report = [0], []
 
   def rewards(records: Sequence, n: int) -> np.ndarray:
     with make(sampler.stream(method, weights=weights), sync=True) as eps:
       done = eps.run(records, samples_per_prompt=n, seed=seed, step=0,
                      prompt_ids=list(range(calls[0], calls[0] + len(records))))
+    report[:] = [eps.stats]
     calls[0] += len(records)
     rewards.episodes += [e for f in done for e in f.episodes]
     rewards.lengths += [(e["tokens"], e["stop"] in ("length", "context_full")) for f in done for e in f.episodes]
     return np.stack([f.rewards for f in done])
 
   rewards.episodes, rewards.lengths = [], []
+  rewards.stats = lambda: report[0](rewards.episodes) if report else {}
   return rewards

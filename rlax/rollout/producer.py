@@ -6,6 +6,8 @@ check is the safety net. With dynamic sampling (DAPO), prompt groups whose rewar
 and refilled from fresh prompts through `GroupBuffer`, up to `MAX_ROUNDS` sampling rounds per batch
 (then tied groups fill the rest, harmlessly: their advantage is 0), so the batch shape never changes.
 Random keys derive from (seed, step, round, prompt) only, so a lost batch can be regenerated exactly.
+Every rollout is an episode: a single-turn run's are one-turn episodes (rlax.envs.one_turn), so one path
+serves every run.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from typing import Any, Callable, Optional
 from absl import logging
 import numpy as np
 
+from rlax import envs
 from rlax.data.dynamic_sampling import GroupBuffer, informative_groups
-from rlax.envs.episodes import batch_stats
 from rlax.rollout import packing
 from rlax.rollout import stats as rollout_stats
 from rlax.rollout.queue import Closed, Rollout
@@ -31,15 +33,21 @@ MAX_ROUNDS = 4  # dynamic sampling: the most sampling rounds spent filling one b
 
 @dataclasses.dataclass(frozen=True)
 class _Done:
-  """A finished, graded prompt group on the stream: draw number, record, host output [G rows], rewards
-  [G], oldest weight version among its tokens."""
+  """A finished, graded prompt group: draw number, record, host output [G rows], rewards [G] (float32, as
+  trained), oldest weight version among its tokens, per-episode stats and forks [G, N] or None
+  (rlax.envs.episodes.FinishedEpisodes)."""
   seq: int
   record: Any
   out: Any
   rewards: np.ndarray
   oldest: int
-  episodes: tuple = ()  # multi-turn: per-episode stats and forks [G, N] (rlax.envs.episodes.FinishedEpisodes)
-  forks: Optional[np.ndarray] = None
+  episodes: tuple
+  forks: Optional[np.ndarray]
+
+  @classmethod
+  def of(cls, f, seq: int, record) -> "_Done":
+    return cls(seq, record, f.out, np.asarray(f.rewards, np.float32), int(np.min(f.out.versions[:, 0])),
+               tuple(f.episodes), f.forks)
 
 
 class RolloutProducer:
@@ -48,8 +56,8 @@ class RolloutProducer:
   `weights`: the WeightsService the sampler reads; `data`: a RecordIterator; `grade(reward_fn,
   texts, records)`: the verifier pool's grading; `ensure_alive(mesh)`: raises when the sampler's
   slices are lost (failover). `rollout` is the run's RolloutConfig; `max_staleness` k. `episodes(stream,
-  sync)`: wraps a sampler stream in an `rlax.envs.EpisodeStream` (multi-turn episodes, rewards from the
-  environment); None: one-shot rollouts graded with `reward_fn`.
+  sync, keys)`: wraps a sampler stream in an episode stream (`rlax.builders.episodes`: the configured
+  environment's, rewards from it); None: one-turn episodes graded with `reward_fn` (`envs.single_turn_episodes`).
   """
 
   def __init__(self, *, sampler, weights, data, render, reward_fn, grade, method, rollout, max_staleness: int,
@@ -60,7 +68,7 @@ class RolloutProducer:
     self.reward_fn, self.grade, self.method, self.r = reward_fn, grade, method, rollout
     self.k, self.deterministic, self.dynamic, self.seed = max_staleness, deterministic, dynamic_sampling, seed
     self.sink, self.ensure_alive, self.stale_policy = sink, ensure_alive, stale_policy
-    self.episodes = episodes
+    self.episodes = episodes or envs.single_turn_episodes(render, reward_fn, grade)
     self.error: Optional[BaseException] = None
     self._thread: Optional[threading.Thread] = None
     self._current = None
@@ -79,74 +87,48 @@ class RolloutProducer:
     return self.weights.latest() if self.r.inflight_updates else self._current
 
   # -- one batch -------------------------------------------------------------------------------------------
-  def _packed(self, out, rewards, sources, forks=None) -> tuple[Any, tuple[np.ndarray, ...]]:
-    """A host output of prompt-major rows, its rewards and record sources (and the episodes' forks) →
-    (RolloutBatch, per-row info: response lengths, truncated (hit max_new_tokens), sources)."""
-    batch = packing.pack(out, rewards, self.sampler.max_prompt_len, forks)
-    return batch, (np.asarray(out.lengths), rollout_stats.truncated_from_finish_reason(out.finish_reason),
-                   np.array(sources, dtype=object))
+  def _packed(self, groups: list[_Done]) -> tuple[Any, tuple[np.ndarray, ...]]:
+    """Prompt groups → (RolloutBatch, per-row info: response lengths, truncated (hit max_new_tokens), sources)."""
+    out = concat_outputs([g.out for g in groups])
+    forks = None if groups[0].forks is None else np.concatenate([g.forks for g in groups])
+    batch = packing.pack(out, np.concatenate([g.rewards for g in groups]), self.sampler.max_prompt_len, forks)
+    sources = np.array([g.record.source for g in groups for _ in range(len(g.rewards))], dtype=object)
+    return batch, (np.asarray(out.lengths), rollout_stats.truncated_from_finish_reason(out.finish_reason), sources)
 
   def _round(self, s: int, rnd: int):
-    """One sampling round of P prompts x G samples → (packed numpy batch, per-row info, seconds generating,
-    seconds grading, per-row episode stats or None)."""
+    """One sampling round of P prompts x G samples, every episode to its end (each turn's answer applied before
+    the next decode chunk: a schedule fixed by the tokens, so deterministic runs regenerate it exactly) →
+    (groups in prompt order, seconds generating, seconds grading, the episode stream)."""
     P, G = self.r.prompts_per_step, self.r.samples_per_prompt
     records = self.data.next_batch(P)
     t0 = time.perf_counter()
     self.ensure_alive(self.sampler.mesh)
-    if self.episodes is not None:
-      return self._episode_round(s, rnd, records, t0)
-    out = self.sampler.generate(self.render.encode_all(records), samples_per_prompt=G,
-                                strategy=self.method, seed=self.seed, step=s,
-                                prompt_ids=[(s * MAX_ROUNDS + rnd) * P + i for i in range(len(records))],
-                                weights=self._source)
-    out = packing.to_host(out)  # the one device → host crossing of this round
-    t1 = time.perf_counter()
-    graded = self.grade(self.reward_fn, packing.completions(self.render.tokenizer, out),
-                        [rec for rec in records for _ in range(G)])
-    rewards = np.array([g[0] for g in graded], np.float32)
-    batch, rows = self._packed(out, rewards, [rec.source for rec in records for _ in range(G)])
-    return batch, rows, t1 - t0, time.perf_counter() - t1, None
-
-  def _episode_round(self, s: int, rnd: int, records, t0: float):
-    """`_round` for multi-turn episodes: every episode of the round to its end, applying each turn's answer
-    before the next decode chunk (a schedule fixed by the tokens: deterministic runs regenerate it exactly)."""
-    P, G = self.r.prompts_per_step, self.r.samples_per_prompt
     with self.episodes(self.sampler.stream(self.method, weights=self._source), sync=True, keys=True) as eps:
       done = eps.run(records, samples_per_prompt=G, seed=self.seed, step=s,
                      prompt_ids=[(s * MAX_ROUNDS + rnd) * P + i for i in range(len(records))])
-    batch, rows = self._packed(concat_outputs([f.out for f in done]), np.concatenate([f.rewards for f in done]),
-                               [rec.source for rec in records for _ in range(G)],
-                               np.concatenate([f.forks for f in done]))
-    eps = np.empty(len(records) * G, dtype=object)
-    eps[:] = [e for f in done for e in f.episodes]
-    return batch, rows, time.perf_counter() - t0, 0.0, eps
+    groups = [_Done.of(f, i, rec) for i, (f, rec) in enumerate(zip(done, records))]
+    return groups, time.perf_counter() - t0 - eps.reward_s, eps.reward_s, eps
 
   def batch(self, s: int) -> tuple[Any, tuple[np.ndarray, ...], dict]:
     """Batch s, graded and packed → (RolloutBatch, per-row (lengths, truncated, sources), stats)."""
-    P, G = self.r.prompts_per_step, self.r.samples_per_prompt
     if not self.dynamic:
-      batch, rows, t_gen, t_rew, eps = self._round(s, 0)
+      groups, t_gen, t_rew, eps = self._round(s, 0)
       stats = {"gen_s": t_gen, "reward_s": t_rew}
-      if eps is not None:
-        stats.update(batch_stats(list(eps)))
-      return batch, rows, stats
-    buf = GroupBuffer(P)
-    t_gen = t_rew = 0.0
-    for rnd in range(MAX_ROUNDS):
-      batch, info, g, w, eps = self._round(s, rnd)
-      t_gen, t_rew = t_gen + g, t_rew + w
-      groups = [np.arange(i * G, (i + 1) * G) for i in range(P)]
-      buf.add([(batch, info + (eps,), r) for r in groups], np.asarray(batch.rewards).reshape(P, G))
-      if buf.ready():
-        break
-    groups, rewards = buf.pop_batch(fill=True)
-    batch = packing.concat([packing.take_rows(b, r) for b, _, r in groups])
-    rows = tuple(np.concatenate([info[j][r] for _, info, r in groups]) for j in range(3))
-    _, tied = informative_groups(rewards)
-    stats = {"gen_s": t_gen, "reward_s": t_rew, "dyn_dropped_groups": float(buf.dropped),
-             "dyn_rounds": float(rnd + 1), "dyn_tied_in_batch": float(tied)}
-    if self.episodes is not None:
-      stats.update(batch_stats([e for _, info, r in groups for e in info[3][r]]))
+    else:
+      buf = GroupBuffer(self.r.prompts_per_step)
+      t_gen = t_rew = 0.0
+      for rnd in range(MAX_ROUNDS):
+        done, g, w, eps = self._round(s, rnd)
+        t_gen, t_rew = t_gen + g, t_rew + w
+        buf.add(done, np.stack([d.rewards for d in done]))
+        if buf.ready():
+          break
+      groups, rewards = buf.pop_batch(fill=True)
+      _, tied = informative_groups(rewards)
+      stats = {"gen_s": t_gen, "reward_s": t_rew, "dyn_dropped_groups": float(buf.dropped),
+               "dyn_rounds": float(rnd + 1), "dyn_tied_in_batch": float(tied)}
+    stats.update(eps.stats([e for g in groups for e in g.episodes]))
+    batch, rows = self._packed(groups)
     return batch, rows, stats
 
   # -- streaming groups ---------------------------------------------------------------------------
@@ -164,8 +146,7 @@ class RolloutProducer:
         return i
       seq, self._seq = self._seq, self._seq + 1
       self._drawn[seq] = before
-      prompts = records if self.episodes is not None else self.render.encode_all(records)  # episodes reset envs
-      stream.submit(prompts, samples_per_prompt=self.r.samples_per_prompt, seed=self.seed, step=s,
+      stream.submit(records, samples_per_prompt=self.r.samples_per_prompt, seed=self.seed, step=s,
                     prompt_ids=[seq], tags=[(seq, records[0])])
     return n
 
@@ -173,20 +154,6 @@ class RolloutProducer:
     """Where a restart resumes the data: before the oldest prompt not yet in a sunk batch (its group is then
     generated again, never lost), or the current position when none is in flight."""
     return self._drawn[min(self._drawn)] if self._drawn else self.data.get_state()
-
-  def _graded(self, finished) -> list[_Done]:
-    if not finished:
-      return []
-    if self.episodes is not None:  # rewarded by the environment
-      return [_Done(f.tag[0], f.tag[1], f.out, f.rewards, int(np.min(f.out.versions[:, 0])), tuple(f.episodes),
-                    f.forks) for f in finished]
-    G = self.r.samples_per_prompt
-    out = concat_outputs([f.out for f in finished])
-    graded = self.grade(self.reward_fn, packing.completions(self.render.tokenizer, out),
-                        [f.tag[1] for f in finished for _ in range(G)])
-    rewards = np.array([g[0] for g in graded], np.float32).reshape(len(finished), G)
-    return [_Done(f.tag[0], f.tag[1], f.out, rewards[i], int(np.min(f.out.versions[:, 0])))
-            for i, f in enumerate(finished)]
 
   def _stream_batch(self, stream, s: int) -> tuple[Any, tuple[np.ndarray, ...], dict]:
     """Batch s from prompt groups in the order they finish.
@@ -231,12 +198,11 @@ class RolloutProducer:
       drawn += self._draw(stream, s, want)
       if not stream.pending:
         raise RuntimeError(f"the prompt stream ended before batch {s} was full ({have} of {P} groups)")
-      t0 = time.perf_counter()
+      t0, r0 = time.perf_counter(), stream.reward_s
       self.ensure_alive(self.sampler.mesh)
-      finished = stream.step()
-      t1 = time.perf_counter()
-      done = self._graded(finished)
-      t_gen, t_rew = t_gen + t1 - t0, t_rew + time.perf_counter() - t1
+      done = [_Done.of(f, *f.tag) for f in stream.step()]
+      graded = stream.reward_s - r0
+      t_gen, t_rew = t_gen + time.perf_counter() - t0 - graded, t_rew + graded
     stats = {"gen_s": t_gen, "reward_s": t_rew, "stale_groups_dropped": float(stale),
              "slot_utilization": stream.timings()["slot_utilization"]}
     if buf is not None:
@@ -249,14 +215,10 @@ class RolloutProducer:
                    dyn_tied_in_batch=float(tied))
     else:
       groups, self._carry = ready[:P], ready[P:]
-    if self.episodes is not None:
-      stats.update(batch_stats([e for g in groups for e in g.episodes]))
+    stats.update(stream.stats([e for g in groups for e in g.episodes]))
     for g in groups:
       del self._drawn[g.seq]
-    G = self.r.samples_per_prompt
-    forks = np.concatenate([g.forks for g in groups]) if self.episodes is not None else None
-    batch, rows = self._packed(concat_outputs([g.out for g in groups]), np.concatenate([g.rewards for g in groups]),
-                               [g.record.source for g in groups for _ in range(G)], forks)
+    batch, rows = self._packed(groups)
     return batch, rows, stats
 
   # -- the loop --------------------------------------------------------------------------------------------
@@ -266,9 +228,7 @@ class RolloutProducer:
     for s in range(first, end):
       idle = self._weights_for(s)
       if stream is None and self.streams():  # opened once weights are installed
-        stream = self.sampler.stream(self.method, weights=self._source)
-        if self.episodes is not None:
-          stream = self.episodes(stream, sync=False, keys=True)
+        stream = self.episodes(self.sampler.stream(self.method, weights=self._source), sync=False, keys=True)
         self._drawn, self._seq, self._carry = {}, 0, []
       t0 = time.perf_counter()
       batch, (lens, truncated, sources), stats = self._stream_batch(stream, s) if stream else self.batch(s)

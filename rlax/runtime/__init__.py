@@ -1,4 +1,6 @@
-"""The runtime: the controller's thin loop, the run state (checkpoints), preemption, and failover."""
+"""The runtime: the controller's thin loop; where a run starts (start), one update (step), the sampler's side
+(sampling), the trainer/sampler process handshake (roles), the summary, the run state (checkpoints), preemption,
+and failover."""
 
 import importlib
 

@@ -1,0 +1,87 @@
+"""The sampler's side of a run: what the process that holds the sampler does besides holding it.
+
+It grades (the verifier pool), steps environments (episodes), reads the training records (the record
+iterator), produces rollouts (rlax.rollout.producer), warms the sampler's programs up and evaluates held-out
+pass@k. In a multi-process job it is the whole of the sampler process (`serve`); in one process the
+controller's loop drives it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+from absl import logging
+
+from rlax import builders
+from rlax import evaluation
+from rlax.config import RunConfig
+from rlax.data.prompts import PromptRenderer
+from rlax.data.records import Record
+from rlax.rollout import Closed
+from rlax.rollout.producer import RolloutProducer
+from rlax.rollout.remote import RemoteSink
+from rlax.runtime.roles import Handshake
+
+
+class SamplerRole:
+  """The sampler's jobs; `parts` (builders.Components: the sampler and weights service to use) is passed per
+  call, since failover rebuilds them. `roles`: the handshake with the trainer process (a no-op without one)."""
+
+  def __init__(self, run: RunConfig, *, tokenizer, render: PromptRenderer, reward_fn,
+               records: tuple[Sequence[Record], Sequence[Record]], roles: Handshake,
+               ensure_alive: Callable[[Any], None]):
+    train_records, self.eval_records = records
+    self.run, self.render, self.reward_fn, self.roles, self.ensure_alive = run, render, reward_fn, roles, ensure_alive
+    self.pool = builders.verifier_pool(run)
+    self.episodes = builders.episodes(run, tokenizer, render, reward_fn, self.pool)
+    self.data = builders.record_iterator(run, train_records)
+
+  def warm_up(self, parts) -> None:
+    """Compiles the sampler's programs (every slot bucket and admission) before the first batch."""
+    parts.sampler.warm_up(parts.weights.latest()[0], builders.sampler_uses(self.run))
+
+  def evaluate(self, parts, tag: str) -> dict:
+    """Held-out pass@k with the newest published weights; sent to the trainer process when there is one."""
+    run = self.run
+    res = evaluation.held_out(self.eval_records, sampler=parts.sampler, render=self.render, reward_fn=self.reward_fn,
+                              pool=self.pool, method=builders.eval_method(run), n=run.eval.n_samples,
+                              seed=run.seed + 1, weights=parts.weights.latest(), episodes=self.episodes,
+                              greedy=run.eval.greedy)
+    logging.info("eval (%s): %s", tag, res)
+    self.roles.send_eval(tag, res)
+    return res
+
+  def producer(self, parts, sink: Callable) -> RolloutProducer:
+    run = self.run
+    return RolloutProducer(sampler=parts.sampler, weights=parts.weights, data=self.data, render=self.render,
+                           reward_fn=self.reward_fn, grade=self.pool.grade, method=builders.sampling_method(run),
+                           rollout=run.rollout, max_staleness=run.controller.max_staleness,
+                           deterministic=run.deterministic, dynamic_sampling=run.controller.dynamic_sampling,
+                           seed=run.seed, sink=sink, ensure_alive=self.ensure_alive,
+                           stale_policy=run.controller.stale_policy, episodes=self.episodes)
+
+  def serve(self, parts) -> None:
+    """The sampler process of a multi-process job: produce every batch the trainer process asks for, and
+    evaluate where the handshake says so."""
+    start = self.roles.recv_start()
+    if start.data:  # the trainer process saves {} at step 0: it holds no data iterator; start from the top
+      self.data.set_state(start.data)
+    server = threading.Thread(target=parts.weights.serve, daemon=True, name="weights-receiver")
+    server.start()
+    if start.evaluate or start.first < self.run.controller.steps:  # else no weights come (a stopped warm start)
+      parts.weights.wait_for(start.step)
+      self.warm_up(parts)
+    if start.evaluate:
+      self.evaluate(parts, "before")
+    try:
+      self.producer(parts, RemoteSink(self.roles.channel)).run(start.first, self.run.controller.steps)
+    except Closed:  # the trainer process stopped early (preemption)
+      pass
+    end = self.roles.recv_end()
+    server.join()
+    if end.evaluate:
+      self.evaluate(parts, "after")
+
+  def close(self) -> None:
+    self.pool.close()
