@@ -51,3 +51,16 @@ def reexec_with_tcmalloc() -> None:
 def using_tcmalloc() -> bool:
   """Whether tcmalloc is preloaded in this process."""
   return "tcmalloc" in os.environ.get("LD_PRELOAD", "")
+
+
+def release_free_memory() -> None:
+  """Hands the allocator's free pages back to the OS. Compiling and host-side batches leave gigabytes free
+  but held in glibc's arenas (malloc_trim returned 1.45 of 3.9 GB after the SmolLM2 run's warm-up); the
+  runtime calls this after compiling ahead and after each step (~0.2 s). tcmalloc: ReleaseFreeMemory."""
+  try:
+    if using_tcmalloc():
+      ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory()
+    else:
+      ctypes.CDLL("libc.so.6").malloc_trim(0)
+  except (OSError, AttributeError):  # another libc (musl) or allocator: nothing to release through
+    pass

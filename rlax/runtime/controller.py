@@ -22,6 +22,7 @@ from typing import Optional
 
 from absl import logging
 
+from rlax import allocator
 from rlax import builders
 from rlax import config as config_lib
 from rlax import export
@@ -164,6 +165,7 @@ class Controller:
         self.metrics.write(s, row)
         for cb in self.callbacks:
           cb(self, s, row)
+        allocator.release_free_memory()
         s += 1
         self._data_after = item.data_state
         if lost is not None:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 from absl import logging
 
+from rlax import allocator
 from rlax import builders
 from rlax import evaluation
 from rlax.config import RunConfig
@@ -40,6 +41,7 @@ class SamplerRole:
   def warm_up(self, parts) -> None:
     """Compiles the sampler's programs (every slot bucket and admission) before the first batch."""
     parts.sampler.warm_up(parts.weights.latest()[0], builders.sampler_uses(self.run))
+    allocator.release_free_memory()  # what compiling left free
 
   def evaluate(self, parts, tag: str) -> dict:
     """Held-out pass@k with the newest published weights; sent to the trainer process when there is one."""

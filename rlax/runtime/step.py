@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import resource
 from typing import Any, Callable, Optional
 
 from absl import logging
 import jax
 import numpy as np
+import psutil
 
 from rlax.rollout import packing
 from rlax.runtime.run_state import NonFiniteError
@@ -70,4 +72,7 @@ def metrics_row(m: dict, item, *, sync: dict, skipped: bool, compiles: tuple[int
   row.update(train_s=train_s, trainer_idle_s=wait_s, sync_total_s=sync_s, step_s=step_s,
              staleness=float(staleness), dropped=float(dropped))
   row["tokens_per_s"] = row.get("response_tokens", 0.0) / max(step_s, 1e-9)
+  # This process's memory now and at its peak so far (the whole run on one host: both roles, all devices).
+  row.update(host_rss_gb=psutil.Process().memory_info().rss / 1e9,
+             host_peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)
   return row
