@@ -58,6 +58,10 @@ _SAMPLING_COPIES = 4
 
 TRAINER_ITEMS = ("params", "opt_state", "grads", "ref_params", "critic", "batch", "activations", "logits")
 SAMPLER_ITEMS = ("weights", "spare_weights", "pristine_base", "kv_cache", "scratch")
+HOST_ITEMS = ("runtime", "checkpoint")
+# The process itself: Python, JAX/XLA and the compiled programs, tokenizer and records (after the warm-up, free
+# pages returned; 1.35 GB measured on the SmolLM2 run).
+_RUNTIME_BYTES = int(1.25 * 2 ** 30)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,8 @@ class MemoryEstimate:
   notes: Mapping[str, str]
   trainer_mesh: Mapping[str, int]
   sampler_mesh: Mapping[str, int]
+  host: Mapping[str, int] = dataclasses.field(default_factory=dict)  # `HOST_ITEMS`, in host RAM
+  host_is_device: bool = False  # CPU devices: device memory is the host's RAM, so the host items add to it
 
   @property
   def trainer_bytes(self) -> int:
@@ -85,9 +91,10 @@ class MemoryEstimate:
   @property
   def total_bytes(self) -> int:
     """Summed over every device (what one host's RAM must hold when all devices are fake CPU devices)."""
+    host = sum(self.host.values()) if self.host_is_device else 0
     if self.colocated:
-      return (self.trainer_bytes + self.sampler_bytes) * self.trainer_devices
-    return self.trainer_bytes * self.trainer_devices + self.sampler_bytes * self.sampler_devices
+      return (self.trainer_bytes + self.sampler_bytes) * self.trainer_devices + host
+    return self.trainer_bytes * self.trainer_devices + self.sampler_bytes * self.sampler_devices + host
 
   def summary(self) -> str:
     """One line per item, GiB per device."""
@@ -99,8 +106,12 @@ class MemoryEstimate:
       for k, v in items.items():
         lines.append(f"  {k:<14s}{v / GIB:9.3f}  {self.notes.get(f'{role}.{k}', '')}")
       lines.append(f"  {'total':<14s}{sum(items.values()) / GIB:9.3f}")
+    lines.append("host (this process, besides its devices); GiB")
+    for k, v in self.host.items():
+      lines.append(f"  {k:<14s}{v / GIB:9.3f}  {self.notes.get(f'host.{k}', '')}")
     where = "colocated: both roles on the same devices" if self.colocated else "disjoint devices"
-    lines.append(f"all devices ({where}): {self.total_bytes / GIB:.3f} GiB")
+    with_host = " + host" if self.host_is_device else ""
+    lines.append(f"all devices ({where}){with_host}: {self.total_bytes / GIB:.3f} GiB")
     return "\n".join(lines)
 
 
@@ -262,8 +273,13 @@ def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,
   notes: dict[str, str] = {}
   trainer = _trainer_items(run, tmesh, platform, notes)
   sampler = _sampler_items(run, smesh, platform, notes, sampler_budget_bytes)
+  # An async checkpoint save copies the train state to the host before writing it.
+  state = (trainer["params"] + trainer["opt_state"] + trainer["critic"]) * trainer_devices
+  host = dict(runtime=_RUNTIME_BYTES, checkpoint=state)
+  notes.update({"host.runtime": "Python, JAX/XLA and the compiled programs, tokenizer and records",
+                "host.checkpoint": "the train state's host copy while an async checkpoint save runs"})
   return MemoryEstimate(trainer, sampler, trainer_devices, sampler_devices, topo.colocated, notes,
-                        dict(tmesh.shape), dict(smesh.shape))
+                        dict(tmesh.shape), dict(smesh.shape), host, host_is_device=platform == "cpu")
 
 
 # -- budgets and the check -------------------------------------------------------------------------------

@@ -96,7 +96,7 @@ def test_estimate_within_factor_of_compiled_programs(case):
   r = run.rollout
   devs = jax.devices()
   trainer = builders.trainer(run, _mesh(run, "trainer", devs[:n_t]))
-  batch = run_lib.train_plan(run, trainer).largest_abstract(trainer, with_ref=False)  # the largest micro-batch
+  batch = run_lib.train_plan(run, trainer).largest_abstract(trainer, with_ref=run.algorithm.kl_coef > 0)  # the largest micro-batch
   step = trainer.lower_step(trainer.abstract_state(), batch).compile()
   ratio = (est.trainer_bytes - est.trainer["ref_params"]) / _peak(step)
   assert LOW <= ratio <= HIGH, (case, "trainer", ratio, est.summary())
@@ -137,9 +137,9 @@ def test_the_estimate_is_sized_for_the_programs_largest_micro_batch():
   est = memory.estimate(run, 1, 1)
   assert f"at most {big.micro_rows} rows x {big.length} tokens" in est.notes["trainer.activations"]
   peaks = [_peak(trainer.lower_step(trainer.abstract_state(), b).compile())
-           for b, _ in plan.abstract(trainer, with_ref=False)]
+           for b, _ in plan.abstract(trainer, with_ref=run.algorithm.kl_coef > 0)]
   assert max(peaks) == _peak(trainer.lower_step(trainer.abstract_state(),
-                                                plan.largest_abstract(trainer, with_ref=False)).compile())
+                                                plan.largest_abstract(trainer, with_ref=run.algorithm.kl_coef > 0)).compile())
   assert LOW <= est.trainer_bytes / max(peaks) <= HIGH, est.summary()
 
 
@@ -152,7 +152,7 @@ def test_peak_memory_falls_as_micro_batch_tokens_fall():
     r = run.rollout
     trainer = builders.trainer(run, None)
     step = trainer.lower_step(trainer.abstract_state(),
-                              run_lib.train_plan(run, trainer).largest_abstract(trainer, with_ref=False)).compile()
+                              run_lib.train_plan(run, trainer).largest_abstract(trainer, with_ref=run.algorithm.kl_coef > 0)).compile()
     peaks.append(_peak(step))
     ests.append(memory.estimate(run, 1, 1).trainer_bytes)
     assert trainer.num_micro_batches(r.rows, 128) == max(1, 2048 // max(tokens, 1) if tokens else 1)
@@ -230,19 +230,19 @@ def test_slots_sized_from_memory_agree_between_the_estimate_and_the_engine(budge
 
 
 def test_colocated_roles_add_up_on_each_device():
-  est = memory.estimate(_run(topology=dict(colocated=True)), 2, 2)
+  est = memory.estimate(_run(topology=dict(colocated=True)), 2, 2, platform="tpu")  # devices only
   assert est.colocated
   both = est.trainer_bytes + est.sampler_bytes
   memory.check(est, both, 0)  # the sampler's budget is the trainer's: same devices
   with pytest.raises(ValueError, match=r"^trainer \+ sampler \(colocated\) need ~[\d.]+ GiB per device"):
     memory.check(est, both - 1, both)
-  apart = memory.estimate(_run(), 2, 2)
+  apart = memory.estimate(_run(), 2, 2, platform="tpu")
   memory.check(apart, both - 1, both)  # disjoint devices: each role alone must fit
   assert est.total_bytes == 2 * both == apart.total_bytes
 
 
 def test_shared_host_compares_the_sum_over_devices():
-  est = memory.estimate(_run(), 2, 2)
+  est = memory.estimate(_run(), 2, 2, platform="tpu")  # the devices' sum (host items: test below)
   t, s = est.trainer_bytes, est.sampler_bytes
   assert est.total_bytes == 2 * t + 2 * s
   # Even shares of one RAM: the trainer may use more than its share while the sampler uses less.
@@ -318,3 +318,16 @@ def test_idle_fake_cpu_devices_leave_their_ram_to_the_used_ones(monkeypatch):
   monkeypatch.setattr(psutil, "virtual_memory", lambda: mem(int(need * 0.9)))
   with pytest.raises(ValueError, match="of host memory"):
     memory.check_topology(run, topo)
+
+
+def test_host_items_add_to_the_total_where_devices_are_host_memory():
+  """On fake CPU devices the process's own memory and a checkpoint's host copy of the train state share the
+  RAM with the devices; on an accelerator they are host RAM, apart from the devices' totals."""
+  run = _run()
+  cpu, tpu = memory.estimate(run, 1, 1, platform="cpu"), memory.estimate(run, 1, 1, platform="tpu")
+  state = cpu.trainer["params"] + cpu.trainer["opt_state"]
+  assert cpu.host["checkpoint"] == state and set(cpu.host) == set(memory.HOST_ITEMS)
+  devices = lambda e: e.trainer_bytes + e.sampler_bytes
+  assert cpu.total_bytes == devices(cpu) + sum(cpu.host.values())
+  assert tpu.total_bytes == devices(tpu)
+  assert "host (this process" in cpu.summary()

@@ -40,7 +40,7 @@ class SamplerRole:
 
   def warm_up(self, parts) -> None:
     """Compiles the sampler's programs (every slot bucket and admission) before the first batch."""
-    parts.sampler.warm_up(parts.weights.latest()[0], builders.sampler_uses(self.run))
+    parts.sampler.warm_up(parts.weights.latest()[0], builders.sampler_uses(self.run), extend=bool(self.run.env.name))
     allocator.release_free_memory()  # what compiling left free
 
   def evaluate(self, parts, tag: str) -> dict:

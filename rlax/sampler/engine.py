@@ -231,10 +231,28 @@ class Sampler:
                       which, jax.random.wrap_key_data(self.put(keys)), self.put(np.asarray(limits, np.int32)),
                       np.int32(version), strategy)
 
-  def warm_up(self, params, uses) -> None:
+  def extension(self, params, st, slot_ids, appends, limits, stops, version: int):
+    """Appends appends[a] (token lists) to the stopped rows in slots slot_ids[a], which then decode up to
+    limits[a] with stops[a] as extra stop ids: one compiled call, rows and lengths padded to `extend_buckets`."""
+    A_b, M_b = self.extend_buckets()
+    A = prompts_lib.bucket(len(slot_ids), A_b)
+    M = prompts_lib.bucket(max([1] + [len(x) for x in appends]), M_b)
+    ids = np.full(A, st.t.shape[0], np.int32)  # padding: dropped
+    append, n_append = np.zeros((A, M), np.int32), np.zeros(A, np.int32)
+    lim, stop_ids = np.zeros(A, np.int32), np.full((A, slots_lib.MAX_STOP_IDS), -1, np.int32)
+    for a, (slot, toks, limit, stop) in enumerate(zip(slot_ids, appends, limits, stops)):
+      ids[a], append[a, :len(toks)], n_append[a], lim[a] = slot, toks, len(toks), limit
+      stop_ids[a, :len(stop)] = stop
+    return self.extend(params, st, *map(self.put, (ids, append, n_append, lim, stop_ids)), version)
+
+  def extend_buckets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Rows and appended lengths an extension is padded to (factor-4 steps: one program each, all warmed up)."""
+    return (prompts_lib.pow_buckets(1, self.slots, 4), prompts_lib.pow_buckets(4, self.max_new_tokens, 4))
+
+  def warm_up(self, params, uses, *, extend: bool = False) -> None:
     """Runs every program a stream can call on empty states (each returns at once), so that a run compiles them
     before its first batch rather than in the middle of one. uses: the (samples per group, strategy) pairs the
-    run samples with; admissions are of `group_buckets(G)` groups. Extensions (multi-turn) stay lazy."""
+    run samples with; admissions are of `group_buckets(G)` groups; extend: a multi-turn run's extensions too."""
     key = np.asarray(jax.random.key_data(jax.random.key(0)))
     with self.ctx():
       for S in reversed(self.slot_buckets):
@@ -247,6 +265,11 @@ class Sampler:
             self.gather(st, jnp.arange(b, dtype=jnp.int32))
         if S < self.slots:
           self.grow(st)
+      if extend:  # multi-turn: extensions run at full size (`Stream` grows back first)
+        A_b, M_b = self.extend_buckets()
+        for A in A_b:
+          for M in M_b:
+            st = self.extension(params, self.empty(), [self.slots] * A, [[0] * M] * A, [1] * A, [[]] * A, 0)
       for G, strategy in uses:
         for q in self.group_buckets(G):
           st = self.empty()

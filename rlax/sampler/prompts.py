@@ -8,13 +8,18 @@ from typing import Optional, Sequence
 import numpy as np
 
 
-def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
-  """lo, 2 lo, 4 lo, ... below hi, then hi."""
+def pow_buckets(lo: int, hi: int, factor: int) -> tuple[int, ...]:
+  """lo, factor lo, factor^2 lo, ... below hi, then hi."""
   out, b = [], max(1, lo)
   while b < hi:
     out.append(b)
-    b *= 2
+    b *= factor
   return tuple(out) + (hi,)
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+  """lo, 2 lo, 4 lo, ... below hi, then hi."""
+  return pow_buckets(lo, hi, 2)
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:

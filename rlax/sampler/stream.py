@@ -246,24 +246,17 @@ class Stream:
     self.running += take
 
   def _extend(self, params) -> None:
-    """The queued extensions in one compiled call (rows and appended lengths in power-of-two buckets)."""
-    e, exts, self._extensions = self.e, self._extensions, []
-    A = prompts_lib.bucket(len(exts), prompts_lib.pow2_buckets(1, e.slots))
-    M = prompts_lib.bucket(max(1, max(len(x[1]) for x in exts)), prompts_lib.pow2_buckets(1, e.max_new_tokens))
-    slot_ids = np.full(A, len(self.owner), np.int32)
-    append, n_append = np.zeros((A, M), np.int32), np.zeros(A, np.int32)
-    limits, stop_ids = np.zeros(A, np.int32), np.full((A, MAX_STOP_IDS), -1, np.int32)
-    for a, (r, toks, limit, stop) in enumerate(exts):
-      slot_ids[a] = np.flatnonzero(self.owner == r)[0]
-      append[a, :len(toks)], n_append[a], limits[a] = toks, len(toks), limit
-      stop_ids[a, :len(stop)] = stop
-    self.st = e.extend(params, self.st, *map(e.put, (slot_ids, append, n_append, limits, stop_ids)), self.version)
+    """The queued extensions in one compiled call (`Sampler.extension`: rows and appended lengths in buckets)."""
+    exts, self._extensions = self._extensions, []
+    slot_ids = [int(np.flatnonzero(self.owner == r)[0]) for r, *_ in exts]
+    self.st = self.e.extension(params, self.st, slot_ids, [x[1] for x in exts], [x[2] for x in exts],
+                               [x[3] for x in exts], self.version)
 
   def _resize(self) -> None:
     """Full slots while requests wait; once none do, the rows that hold a slot move to the smallest slot bucket
     that holds them (on a CPU a decode step costs in proportion to its slots, running or not)."""
     e, size = self.e, len(self.owner)
-    if self.queue:
+    if self.queue or self._extensions:  # admissions and extensions run at full size (one program each)
       if size < e.slots:  # grow back: the rows keep their slots, the new ones are free
         self.st = e.grow(self.st)
         self.owner = np.concatenate([self.owner, np.full(e.slots - size, -1)])
