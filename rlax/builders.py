@@ -28,7 +28,6 @@ from rlax.data.prompts import PromptRenderer
 from rlax.data.records import Record, read_records
 from rlax.envs import journal
 from rlax.models import hf
-from rlax.models import sharding as shd
 from rlax.models.hf_tokenizer import Tokenizer
 from rlax.multihost import Channel, local_roles
 from rlax.rollout import packing
@@ -291,11 +290,7 @@ def weights_service(run: RunConfig, topology: Topology, channel: Optional[Channe
     shapes = models.init.abstract_params(run.model)
     transport = CrossProcessTransport(topology.trainer_mesh, topology.sampler_mesh, shardings, weights_dtype(run),
                                       shapes, channel)
-  k, faults = run.controller.max_staleness, run.faults
-  # Batch `first` after a rebuild needs versions first - k .. step: k + 1 of them.
-  history = k + 1 if run.deterministic and k and (faults.lose_slice_at or faults.restore_slice_at) else 0
-  # Deterministic mode hands batch s exactly version s - k: keep the k + 1 newest.
-  service = WeightsService(transport, keep=k + 1 if run.deterministic else 1, history=history)
+  service = WeightsService(transport, keep=run_lib.versions_kept(run), history=run_lib.versions_replayable(run))
   if history_from is not None:
     service.adopt_history(history_from)
   return service

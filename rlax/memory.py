@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AbstractMesh
 
 from rlax import builders
@@ -128,19 +127,12 @@ def abstract_mesh(axes: Mapping[str, int], devices: int, role: str) -> AbstractM
   return AbstractMesh(tuple(sizes[a] for a in shd.MESH_AXES), shd.MESH_AXES)
 
 
-def _tree_bytes(tree: Any) -> int:
-  """Per-device bytes of a tree of ShapeDtypeStructs carrying their shardings."""
-  return sum(int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
-             for x in jax.tree.leaves(tree))
-
-
 def _param_bytes(cfg: models.ModelConfig, mesh: AbstractMesh, itemsize: int, subtree: Optional[str] = None) -> int:
   """Per-device bytes of the parameters (or of one subtree, e.g. 'layers') on `mesh`, `itemsize` bytes each."""
   shapes, shardings = models.init.abstract_params(cfg), models.param_shardings(cfg, mesh)
   if subtree:
     shapes, shardings = shapes[subtree], shardings[subtree]
-  return sum(int(np.prod(sh.shard_shape(s.shape), dtype=np.int64)) * itemsize
-             for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)))
+  return sizing.tree_bytes(shapes, shardings, itemsize)
 
 
 def _split(n: int, ways: int) -> int:
@@ -176,7 +168,7 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   live = 1  # micro-batches are a scan: one is live (rlax.trainer.state.accumulate_gradients)
   tensor = dict(mesh.shape)["tensor"]
   isz = _act_itemsize(cfg, platform)
-  trained = _tree_bytes(state.params)  # LoRA: the adapters; else the params
+  trained = sizing.tree_bytes(state.params)  # LoRA: the adapters; else the params
   # Gradients in the trained tree's dtype and layout: the step's result and the clipped update live together;
   # accumulating over micro-batches adds the running sum.
   grads = trained * (2 if n_micro == 1 else 3)
@@ -208,13 +200,13 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   })
   critic = 0
   if state.critic is not None:  # PPO's value model: its own params, AdamW moments and gradients
-    cp = _tree_bytes(state.critic.params)
-    critic = cp + _tree_bytes(state.critic.opt_state) + 2 * cp
+    cp = sizing.tree_bytes(state.critic.params)
+    critic = cp + sizing.tree_bytes(state.critic.opt_state) + 2 * cp
   notes["trainer.critic"] = ("value model (algorithm ppo): params, AdamW moments, gradients; its activations "
                              "come after the policy's" if critic else "none (no value model)")
-  return dict(params=params, opt_state=_tree_bytes(state.opt_state), grads=grads,
+  return dict(params=params, opt_state=sizing.tree_bytes(state.opt_state), grads=grads,
               ref_params=params if kl and not lora else 0,
-              critic=critic, batch=_tree_bytes(batch), activations=int(live * acts), logits=int(live * logits))
+              critic=critic, batch=sizing.tree_bytes(batch), activations=int(live * acts), logits=int(live * logits))
 
 
 def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dict,
@@ -227,8 +219,7 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   mem = sizing.sampler_memory(cfg, layout, B, S, mesh)
   b = B // shd.row_shards(mesh, B)  # rows per device
   tensor = dict(mesh.shape)["tensor"]
-  # Deterministic runs keep the k + 1 newest versions; a push in flight adds one next to the one in use.
-  keep = run.controller.max_staleness + 1 if run.deterministic else 1
+  keep = run_lib.versions_kept(run)
   isz = _act_itemsize(cfg, platform)
   layer_w = _param_bytes(cfg, mesh, max(isz, dt.itemsize), "layers")  # per-layer slices (f32 on CPU)
   vocab = _split(cfg.vocab_size, tensor)

@@ -45,7 +45,7 @@ from rlax import models
 from rlax import planning_programs as lowerings
 from rlax import planning_sync
 from rlax.multihost import CrossMeshPush
-from rlax.sampler import Sampler
+from rlax.sampler import Sampler, sizing
 from rlax.topology import Topology, build_topology
 
 GIB = 2 ** 30
@@ -204,7 +204,7 @@ def make_plan(c) -> dict[str, Any]:
   trainer = builders.trainer(c, topo.trainer_mesh)  # the runtime's own builder
   progs, train = [], lowerings.train_lowerings(c, trainer)
   if "trainer_step" in want:
-    state = sum(planning_sync.shard_bytes(x) for x in jax.tree.leaves(trainer.abstract_state()))
+    state = sizing.tree_bytes(trainer.abstract_state())
     _check_resident("trainer_step", state, chip, "params + optimizer state alone",
                     "more FSDP (topology.trainer_mesh.fsdp) or more trainer slices")
     progs += [_analyze(low, desc_t, chip)[0] for low in train]

@@ -21,10 +21,6 @@ def _with(shapes: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
 
 
-def shard_bytes(x: jax.ShapeDtypeStruct) -> int:
-  return int(np.prod(x.sharding.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
-
-
 def push_target(c: config_lib.RunConfig, sampler: Sampler) -> Any:
   """ShapeDtypeStructs (on the sampler's shardings) of what a push delivers: the weights in the compute
   dtype, or LoRA's adapters (f32, as the runtime's AdapterTransport sends them)."""
@@ -41,7 +37,7 @@ def pristine_base(c: config_lib.RunConfig, mesh) -> Any:
 
 def pristine_bytes(c: config_lib.RunConfig, mesh) -> int:
   """Bytes per sampler chip of LoRA's pristine base (`pristine_base`)."""
-  return sum(shard_bytes(x) for x in jax.tree.leaves(pristine_base(c, mesh)))
+  return sizing.tree_bytes(pristine_base(c, mesh))
 
 
 def lower_merge(c: config_lib.RunConfig, sampler: Sampler) -> jax.stages.Lowered:
@@ -63,7 +59,7 @@ def push_estimate(target: Any, chip, cross_dcn: bool) -> dict[str, float]:
   total = sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in dst)
   tr = [NamedSharding(mesh, transport_spec(s.shape, dict(mesh.shape))) for s in dst]
   piece = sizing.tree_bytes(dst, tr)
-  shard = sum(shard_bytes(s) for s in dst)
+  shard = sizing.tree_bytes(dst)
   link = chip.dcn_bw if cross_dcn else chip.ici_bw
   t = dict(transport_s=piece / chip.ici_bw, cross_s=piece / link, gather_s=max(shard - piece, 0) / chip.ici_bw)
   return dict(total_bytes=total, per_chip_transport_bytes=piece, per_chip_sampler_bytes=shard,

@@ -45,6 +45,7 @@ from absl import logging
 from rlax.rewards import code
 from rlax.rewards import processes
 from rlax.rewards import registry
+from rlax.rewards import results
 from rlax.rewards import sandbox as sandbox_lib
 
 RewardFn = Callable[[str, Any], tuple[float, dict]]
@@ -208,7 +209,7 @@ class VerifierPool:
         # A bug here must not leave a caller waiting forever.
         logging.exception("verifier thread %d failed", k)
         if not job.done.is_set():
-          self._finish(job, processes.error(e))
+          self._finish(job, results.error(e))
     if worker is not None:
       worker.retire()
 
@@ -224,13 +225,13 @@ class VerifierPool:
     try:
       payload = processes.dumps((job.completion, job.record))
     except Exception as e:  # pylint: disable=broad-except
-      self._finish(job, processes.error(f"record cannot be sent to a grading process: {e}"))
+      self._finish(job, results.error(f"record cannot be sent to a grading process: {e}"))
       return worker
     for _ in range(2):  # a worker that died before it took the job is replaced, once
       if worker is None:  # a previous start failed: try again for every job rather than hang
         worker = None if self._closed else self._start(k)
         if worker is None:
-          self._finish(job, processes.error(f"no grading process could be started: {self._start_error}"))
+          self._finish(job, results.error(f"no grading process could be started: {self._start_error}"))
           return None
       result, healthy = worker.run(job.blob, payload, job.timeout_s)
       if not healthy:
@@ -239,7 +240,7 @@ class VerifierPool:
       if result is not None:
         break
     else:
-      result = processes.error("the grading process died before the job reached it")
+      result = results.error("the grading process died before the job reached it")
     self._finish(job, result)  # before a replacement starts: the caller is waiting
     return worker if worker is not None or self._closed else self._start(k)
 
@@ -248,7 +249,7 @@ class VerifierPool:
     t = threading.Thread(target=lambda: box.append(self._call(job)), daemon=True)
     t.start()
     t.join(job.timeout_s)
-    return box[0] if box else processes.timeout(job.timeout_s)
+    return box[0] if box else results.timeout(job.timeout_s)
 
   @staticmethod
   def _call(job: _Job) -> tuple[float, dict]:
@@ -256,7 +257,7 @@ class VerifierPool:
       reward, info = job.fn(job.completion, job.record)
       return float(reward), dict(info)
     except Exception as e:  # pylint: disable=broad-except
-      return processes.error(e)
+      return results.error(e)
 
   def _finish(self, job: _Job, result: tuple[float, dict]):
     name = getattr(job.record, "id", "?")
@@ -316,7 +317,7 @@ class VerifierPool:
       except queue.Empty:
         break
       if job is not None:
-        self._finish(job, processes.error("the verifier pool was closed"))
+        self._finish(job, results.error("the verifier pool was closed"))
     for _ in self._threads:
       self._queue.put(None)
     with self._lock:

@@ -35,23 +35,11 @@ from typing import Optional
 import cloudpickle
 
 from rlax.rewards import proctree, sandbox
+from rlax.rewards.results import MAX_MESSAGE, decode, encode, error, timeout
 
 _START_TIMEOUT_S = 300.0  # the fork server's first start imports rlax.rewards (seconds on a busy host)
 _LOAD_TIMEOUT_S = 120.0  # unpickling a reward function (importing its module) in a fresh worker
 _FN_CACHE = 64  # pickled reward functions kept per worker (they are reused batch after batch)
-_MAX_MESSAGE = 16 << 20  # bytes of one result; a larger one is an error, never read whole
-_REPR_CHARS = 1000  # a value JSON has no type for crosses as its repr, cut to this
-
-
-def timeout(seconds: float) -> tuple[float, dict]:
-  """The (reward, info) of a grading stopped at its deadline: reward 0, `timeout: True`."""
-  return 0.0, {"reason": f"timeout after {seconds:.1f}s", "timeout": True, "deadline_s": seconds}
-
-
-def error(e: BaseException | str) -> tuple[float, dict]:
-  """The (reward, info) of a grading that failed: reward 0, the reason, `error: True`."""
-  text = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
-  return 0.0, {"reason": f"grader error: {text}"[:1000], "error": True}
 
 
 def _cap_memory(memory_mb: int) -> None:
@@ -61,51 +49,6 @@ def _cap_memory(memory_mb: int) -> None:
   cap = size + (memory_mb << 20)
   hard = resource.getrlimit(resource.RLIMIT_AS)[1]
   resource.setrlimit(resource.RLIMIT_AS, (cap if hard < 0 else min(cap, hard), hard))
-
-
-# -- results as JSON -----------------------------------------------------------------------------------------
-def _repr(v) -> str:
-  try:
-    return repr(v)[:_REPR_CHARS]
-  except Exception:  # pylint: disable=broad-except
-    return f"<{type(v).__name__} without a repr>"
-
-
-def _plain(v, depth: int = 0):
-  """`v` as JSON data: plain values (subclasses and numpy scalars as their base type), and dicts, lists and
-  tuples of them, kept; anything else (a set, an object, a value nested too deep) its repr."""
-  try:
-    if v is None:
-      return None
-    if getattr(v, "shape", None) == () and hasattr(v, "item"):  # a numpy scalar
-      v = v.item()
-    base = next((b for b in (bool, int, float, str) if isinstance(v, b)), None)
-    if base is not None:
-      v = v if type(v) is base else base(v)
-      return v if base is not int or v.bit_length() < 10000 else f"<int of {v.bit_length()} bits>"
-    if depth < 16 and isinstance(v, (list, tuple)):
-      return [_plain(x, depth + 1) for x in v]
-    if depth < 16 and isinstance(v, dict):
-      return {k if type(k) is str else _repr(k): _plain(x, depth + 1) for k, x in v.items()}
-  except Exception:  # pylint: disable=broad-except
-    pass
-  return _repr(v)
-
-
-def _encode(result: tuple[float, dict]) -> bytes:
-  blob = json.dumps({"reward": result[0], "info": _plain(result[1])}).encode()
-  if len(blob) > _MAX_MESSAGE:
-    fail = error(f"the grader's result is {len(blob)} bytes, over the {_MAX_MESSAGE >> 20} MB limit")
-    blob = json.dumps({"reward": fail[0], "info": fail[1]}).encode()
-  return blob
-
-
-def _decode(blob: bytes) -> tuple[float, dict]:
-  msg = json.loads(blob)
-  reward, info = float(msg["reward"]), msg["info"]
-  if not isinstance(info, dict):
-    raise ValueError("info is not an object")
-  return reward, info
 
 
 # -- the worker and the fork server --------------------------------------------------------------------------
@@ -147,9 +90,9 @@ def _worker_main(conn: connection.Connection, memory_mb: int, mode: str) -> None
       out = error(e)
     try:
       proctree.clean_up_children()
-      blob = _encode(out)
+      blob = encode(out)
     except MemoryError:
-      blob, fatal = _encode(error("MemoryError after the grading: the worker is replaced")), True
+      blob, fatal = encode(error("MemoryError after the grading: the worker is replaced")), True
     conn.send_bytes(blob)
     if fatal:
       return  # after a MemoryError the interpreter's state is suspect: a fresh worker replaces us
@@ -347,7 +290,7 @@ class Worker:
     if not self.conn.poll(max(0.0, end - time.monotonic())):
       return None
     try:
-      return _decode(self.conn.recv_bytes(_MAX_MESSAGE + (1 << 16)))
+      return decode(self.conn.recv_bytes(MAX_MESSAGE + (1 << 16)))
     except (ValueError, KeyError, TypeError, RecursionError):
       raise _Malformed() from None
 

@@ -3,3 +3,4 @@ the topology, and read by the builders, the trainer, the packer, the memory esti
 
 from rlax.run.compiles import CompileCounter
 from rlax.run.train import TrainPlan, TrainProgram, row_lengths, train_plan
+from rlax.run.weights import versions_kept, versions_replayable

@@ -34,12 +34,14 @@ def device_budget(device, *, free: bool = False) -> int:
   raise ValueError(f"device {device} reports no memory_stats()['bytes_limit']; pass the budget explicitly")
 
 
-def tree_bytes(shapes: Any, shardings: Any = None) -> int:
-  """Per-device bytes of a tree of shapes on a tree of shardings (None: whole arrays)."""
+def tree_bytes(shapes: Any, shardings: Any = None, itemsize: int = 0) -> int:
+  """Per-device bytes of a tree of shapes (arrays or ShapeDtypeStructs) on a tree of shardings (None: each
+  leaf's own sharding, whole arrays where it has none); itemsize: bytes per element instead of the dtype's.
+  The one per-shard byte count (rlax.memory, rlax.planning_sync, the sampler's sizing)."""
   leaves = jax.tree.leaves(shapes)
-  shards = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
+  shards = [getattr(x, "sharding", None) for x in leaves] if shardings is None else jax.tree.leaves(shardings)
   return sum(int(np.prod(sh.shard_shape(x.shape) if sh is not None else x.shape, dtype=np.int64))
-             * jnp.dtype(x.dtype).itemsize for x, sh in zip(leaves, shards))
+             * (itemsize or jnp.dtype(x.dtype).itemsize) for x, sh in zip(leaves, shards))
 
 
 def kv_bytes(cfg: models.ModelConfig, layout, slots: int, mesh=None) -> int:
