@@ -46,7 +46,10 @@ GIB = 2 ** 30
 # Bytes per token of one layer's activations, in units of the activation itemsize (per element of d_model,
 # of the attention projections and of the MLP) and in f32 per attention score. Fitted to XLA:CPU's
 # compiled train step (saved for the backward pass) and prefill (inference, nothing saved).
-_TRAIN_PER_ELEM = dict(embed=4.8, mlp=6.0, score=2.0)
+# The train step keeps no attention scores (rlax.models.layers recomputes the probabilities in the backward
+# pass): only the layer being differentiated holds its scores, probabilities and their gradient.
+_TRAIN_PER_ELEM = dict(embed=4.8, mlp=5.0, score=0.0)
+_TRAIN_LIVE_SCORES = dict(embed=0.0, mlp=0.0, score=3.0)
 _INFER_PER_ELEM = dict(embed=2.0, mlp=2.0, score=2.0)
 # f32 [rows, chunk, vocab] buffers live at once in the chunked log-prob backward (one more when the
 # head is the tied embedding); [rows, vocab] f32 buffers of one sampling step (logits, probabilities,
@@ -181,6 +184,7 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
     acts = cfg.n_layers * rows * seq * cfg.d_model * isz + one_layer
   else:
     acts = cfg.n_layers * one_layer
+  acts += _layer_acts(cfg, rows * seq, seq, tensor, isz, _TRAIN_LIVE_SCORES)
   positions = min(trainer.chunk, slots)  # scored positions per log-prob chunk
   copies = _TIED_LOGIT_COPIES if cfg.tie_embeddings else _LOGIT_COPIES
   logits = copies * rows * positions * _split(cfg.vocab_size, tensor) * 4
@@ -264,11 +268,17 @@ def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,
   notes: dict[str, str] = {}
   trainer = _trainer_items(run, tmesh, platform, notes)
   sampler = _sampler_items(run, smesh, platform, notes, sampler_budget_bytes)
-  # An async checkpoint save copies the train state to the host before writing it.
+  # A checkpoint save copies the train state to the host before writing it; where it blocks (on CPU devices) the
+  # copy replaces the step's transients (gradients, activations, logits) rather than adding to them.
   state = (trainer["params"] + trainer["opt_state"] + trainer["critic"]) * trainer_devices
+  blocks = run_lib.checkpoint_blocks(platform)
+  if blocks:
+    state = max(0, state - (trainer["grads"] + trainer["activations"] + trainer["logits"]) * trainer_devices)
   host = dict(runtime=_RUNTIME_BYTES, checkpoint=state)
   notes.update({"host.runtime": "Python, JAX/XLA and the compiled programs, tokenizer and records",
-                "host.checkpoint": "the train state's host copy while an async checkpoint save runs"})
+                "host.checkpoint": ("the train state's host copy beyond the step's transients (a save blocks "
+                                    "between steps)" if blocks else
+                                    "the train state's host copy while an async checkpoint save runs")})
   return MemoryEstimate(trainer, sampler, trainer_devices, sampler_devices, topo.colocated, notes,
                         dict(tmesh.shape), dict(smesh.shape), host, host_is_device=platform == "cpu")
 

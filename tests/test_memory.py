@@ -113,9 +113,9 @@ def test_estimate_within_factor_of_compiled_programs(case):
 def test_remat_and_micro_batches_on_cpu_and_elsewhere():
   acts = lambda platform, **model: memory.estimate(_run(model=model), 1, 1, platform=platform).trainer["activations"]
   none = acts("cpu")
-  assert acts("cpu", remat=True, scan_layers=True) < none / 3
+  assert acts("cpu", remat=True, scan_layers=True) < none / 2
   assert acts("cpu", remat=True) == none  # XLA:CPU hoists the recomputation of unrolled layers
-  assert acts("tpu", remat=True) < acts("tpu") / 3
+  assert acts("tpu", remat=True) < acts("tpu") / 2
   # Micro-batches are a scan: one is live, on CPU as elsewhere.
   est = lambda tokens, platform="cpu": memory.estimate(_run(optimizer=dict(micro_batch_tokens=tokens)), 1, 1,
                                                        platform=platform).trainer
@@ -326,7 +326,10 @@ def test_host_items_add_to_the_total_where_devices_are_host_memory():
   run = _run()
   cpu, tpu = memory.estimate(run, 1, 1, platform="cpu"), memory.estimate(run, 1, 1, platform="tpu")
   state = cpu.trainer["params"] + cpu.trainer["opt_state"]
-  assert cpu.host["checkpoint"] == state and set(cpu.host) == set(memory.HOST_ITEMS)
+  transients = cpu.trainer["grads"] + cpu.trainer["activations"] + cpu.trainer["logits"]
+  # CPU saves block between steps, so the copy only counts beyond the step's transients; elsewhere it is whole.
+  assert cpu.host["checkpoint"] == max(0, state - transients) and set(cpu.host) == set(memory.HOST_ITEMS)
+  assert tpu.host["checkpoint"] == tpu.trainer["params"] + tpu.trainer["opt_state"]
   devices = lambda e: e.trainer_bytes + e.sampler_bytes
   assert cpu.total_bytes == devices(cpu) + sum(cpu.host.values())
   assert tpu.total_bytes == devices(tpu)

@@ -2,5 +2,6 @@
 the topology, and read by the builders, the trainer, the packer, the memory estimate and the planner."""
 
 from rlax.run.compiles import CompileCounter
+from rlax.run.saves import checkpoint_blocks
 from rlax.run.train import TrainPlan, TrainProgram, row_lengths, train_plan
 from rlax.run.weights import versions_kept, versions_replayable

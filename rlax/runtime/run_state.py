@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlax import config as config_lib
+from rlax import run as run_lib
 from rlax.checkpoint import Checkpointer, IncompatibleCheckpointError, abstract_like, to_json
 from rlax.envs import journal
 from rlax.rollout import Rollout, empty_batch
@@ -62,7 +63,7 @@ class RunState:
     solo = {jax.process_index()} if jax.process_count() > 1 else None  # the trainer's process saves alone
     self.ckpt = Checkpointer(os.path.join(run.workdir, "checkpoints"), keep=ck.keep,
                              every_steps=ck.every_steps or None, every_seconds=ck.every_seconds or None,
-                             processes=solo)
+                             processes=solo, async_save=not run_lib.checkpoint_blocks(jax.default_backend()))
     self._solo = solo
     self._sft: Optional[Checkpointer] = None  # the warm start's own checkpoints, opened when first needed
     # Deterministic mode regenerates nothing on resume: the rollouts generated ahead are saved.

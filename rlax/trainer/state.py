@@ -51,15 +51,31 @@ def fill_order(rows: int, micro_batches: int, shards: int = 1) -> np.ndarray:
   return i * micro_batches + j
 
 
-def _skipping(fn: Callable, active: Optional[Callable], *args) -> tuple[Any, jax.Array]:
-  """(fn(*args), 1.0), or zeros of its outputs and 0.0 when `active(args[-1])` is false: an empty micro-batch
-  costs a branch, not a forward and backward (fixed-shape batches carry empty ones)."""
-  if active is None:
-    return fn(*args), jnp.ones((), jnp.float32)
-  shapes = jax.eval_shape(fn, *args)
-  zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-  on = active(args[-1])
-  return jax.lax.cond(on, lambda: fn(*args), zeros), on.astype(jnp.float32)
+def _active_first(active: Callable[[Any], jax.Array], mbs: Any, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """([n] f32 1 where micro-batch i has work, how many do, their indices first): the loops below run only those."""
+  on = jax.vmap(active)(mbs) if active is not None else jnp.ones((n,), bool)
+  return on.astype(jnp.float32), jnp.sum(on.astype(jnp.int32)), jnp.argsort(~on, stable=True).astype(jnp.int32)
+
+
+def _over_active(fn: Callable[[Any], Any], mbs: Any, n: int, active: Optional[Callable], acc: Any,
+                 add: Callable[[Any, Any], Any]) -> tuple[Any, Any, jax.Array]:
+  """Runs `fn(micro-batch i) -> (part, stacked)` for the micro-batches `active` keeps, one at a time (a loop whose
+  trip count is theirs: an empty micro-batch costs nothing, where a scan of conditionals would still add a
+  gradient-sized tree of zeros for each); `acc = add(acc, part)`. Returns (acc, every `stacked` [n, ...], zeros for
+  the skipped, and [n] f32 1 where one ran)."""
+  on, count, order = _active_first(active, mbs, n)
+  first = jax.tree.map(lambda x: x[0], mbs)
+  shapes = jax.eval_shape(fn, first)[1]
+  stacked = jax.tree.map(lambda s: jnp.zeros((n,) + tuple(s.shape), s.dtype), shapes)
+
+  def body(k, carry):
+    acc, stacked = carry
+    i = order[k]
+    part, out = fn(jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), mbs))
+    return add(acc, part), jax.tree.map(lambda s, o: jax.lax.dynamic_update_index_in_dim(s, o, i, 0), stacked, out)
+
+  acc, stacked = jax.lax.fori_loop(0, count, body, (acc, stacked))
+  return acc, stacked, on
 
 
 def accumulate_gradients(loss_fn: Callable[[Any, Any], tuple[jax.Array, dict]], params: Any, batch: Any,
@@ -72,7 +88,7 @@ def accumulate_gradients(loss_fn: Callable[[Any, Any], tuple[jax.Array, dict]], 
   every metric stacked over micro-batches ([n, ...]) for the caller to reduce, and metrics["active"] [n]:
   1 where the micro-batch ran. `active(micro_batch) -> [] bool`: micro-batches where it is false are skipped
   (their loss, gradients and metrics are 0).
-  One micro-batch skips the scan, so its program is the plain full-batch step. More are a scan, never
+  One micro-batch skips the loop, so its program is the plain full-batch step. More are a loop, never
   unrolled: XLA:CPU runs unrolled micro-batches side by side, so they would all be live at once and memory
   would not fall as micro-batches shrink.
   """
@@ -80,16 +96,16 @@ def accumulate_gradients(loss_fn: Callable[[Any, Any], tuple[jax.Array, dict]], 
   if micro_batches == 1:
     (loss, metrics), grads = grad_fn(params, batch)
     return grads, loss, jax.tree.map(lambda x: x[None], dict(metrics, active=jnp.ones((), jnp.float32)))
-  mbs = split_micro_batches(batch, micro_batches)
 
-  def body(acc, mb):
-    ((loss, metrics), grads), on = _skipping(grad_fn, active, params, _shard_rows(mb))
-    acc_g, acc_l = acc
-    return (jax.tree.map(jnp.add, acc_g, grads), acc_l + loss), dict(metrics, active=on)
+  def one(mb):
+    (loss, metrics), grads = grad_fn(params, _shard_rows(mb))
+    return (grads, loss), metrics
 
-  zeros = jax.tree.map(jnp.zeros_like, params)
-  (grads, loss), metrics = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), mbs)
-  return grads, loss, metrics
+  zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
+  add = lambda acc, part: jax.tree.map(jnp.add, acc, part)
+  (grads, loss), metrics, on = _over_active(one, split_micro_batches(batch, micro_batches), micro_batches, active,
+                                            zeros, add)
+  return grads, loss, dict(metrics, active=on)
 
 
 def rows_in_micro_batches(fn: Callable[[Any], jax.Array], x: Any, micro_batches: int,
@@ -99,8 +115,8 @@ def rows_in_micro_batches(fn: Callable[[Any], jax.Array], x: Any, micro_batches:
   if micro_batches == 1:
     return fn(x)
   rows = jax.tree.leaves(x)[0].shape[0]
-  out = jax.lax.scan(lambda c, mb: (c, _skipping(fn, active, _shard_rows(mb))[0]), None,
-                     split_micro_batches(x, micro_batches))[1]
+  _, out, _ = _over_active(lambda mb: ((), fn(_shard_rows(mb))), split_micro_batches(x, micro_batches),
+                           micro_batches, active, (), lambda acc, part: acc)
   return jnp.moveaxis(out, 0, 1).reshape(rows, -1)
 
 
