@@ -96,7 +96,8 @@ def main(argv):
          "colocated": FLAGS.colocated, "decode_chunk": FLAGS.decode_chunk, "tcmalloc": using_tcmalloc()}
   for r in rows:
     print(f"iter {r['step']}: {r['step_s']:.3f}s (gen {r['gen_s']:.3f} train {r['train_s']:.3f} "
-          f"sync {r['sync_total_s']:.3f} trainer idle {r['trainer_idle_s']:.3f})")
+          f"sync {r['sync_total_s']:.3f} trainer idle {r['trainer_idle_s']:.3f}; {r.get('train_rows')} rows x "
+          f"{r.get('train_row_len')} in {r.get('micro_batches')} micro-batches, {r.get('compiles')} compiles)")
   print(json.dumps(out))
 
 

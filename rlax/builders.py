@@ -38,7 +38,7 @@ from rlax.sampler import strategies
 from rlax.sampler.strategies import SamplingMethod
 from rlax.topology import Topology
 from rlax.trainer import OptimizerConfig, Trainer
-from rlax.models import lora as lora_lib
+from rlax.models import variation
 from rlax.weights import AdapterTransport, CrossProcessTransport, DevicePutTransport, WeightsService
 
 
@@ -275,10 +275,11 @@ def weights_service(run: RunConfig, topology: Topology, channel: Optional[Channe
   """
   shardings = models.param_shardings(run.model, topology.sampler_mesh)
   has_trainer, has_sampler = local_roles(topology.trainer_mesh, topology.sampler_mesh)
-  if run.lora.enabled:  # adapters cross; the sampler merges them into its pristine base (sent once)
+  kind = variation.of(run.model, run.lora)
+  if kind.frozen_base:  # what trains crosses; the sampler merges it into its pristine base (sent once)
     if not (has_trainer and has_sampler) or trainer is None:
       raise ValueError("model.lora with the trainer and sampler in different processes is not supported yet")
-    adapters = DevicePutTransport(lora_lib.adapter_shardings(run.model, run.lora, topology.sampler_mesh), None)
+    adapters = DevicePutTransport(kind.shardings(topology.sampler_mesh), kind.push_dtype(weights_dtype(run)))
     # The pristine copy is held in the compute dtype: on a bf16 sampler it costs what the merged weights cost.
     transport = AdapterTransport(adapters, DevicePutTransport(shardings, weights_dtype(run)), lambda: trainer.base,
                                  run.lora, weights_dtype(run))

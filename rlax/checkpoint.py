@@ -30,6 +30,7 @@ import orbax.checkpoint as ocp
 from rlax import models
 from rlax.models import hf
 from rlax.models import lora as lora_lib
+from rlax.models import variation
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -309,16 +310,15 @@ def load_policy(workdir: str, step: Optional[int] = None, *, mesh: Optional[Mesh
   saved_lora = dict(run.get("lora") or {})
   lora = lora_lib.LoraConfig(**{**saved_lora, "targets": tuple(saved_lora.get("targets", lora_lib.TARGETS))})
   hf_dir = run.get("hf_checkpoint") or ""
-  if lora.enabled and merge_lora:
+  kind = variation.of(cfg, lora)
+  if kind.frozen_base and merge_lora:
     if hf_dir and not os.path.isdir(hf_dir):
       raise ValueError(f"checkpoint step {step} in {workdir} holds LoRA adapters of {hf_dir}, which does not "
                        "exist any more; its weights are needed to merge them")
     mesh = mesh or models.make_mesh(jax.devices("cpu")[:1], data=1, fsdp=1, tensor=1)
     base = (hf.load_checkpoint(hf_dir, mesh, cfg=cfg)[1] if hf_dir
             else models.create_params(cfg, mesh, seed=run.get("seed", 0)))
-    adapters = jax.device_put(params, lora_lib.adapter_shardings(cfg, lora, mesh))
-    params = jax.jit(lambda b, a: lora_lib.merge(b, a, lora))(base, adapters)
+    params = jax.jit(kind.merge)(jax.device_put(params, kind.shardings(mesh)), base)
   elif mesh is not None:
-    place = lora_lib.adapter_shardings(cfg, lora, mesh) if lora.enabled else models.param_shardings(cfg, mesh)
-    params = jax.device_put(params, place)
+    params = jax.device_put(params, kind.shardings(mesh))
   return Policy(step=step, params=params, model=cfg, lora=lora, hf_checkpoint=hf_dir, config=run)

@@ -38,6 +38,7 @@ from rlax import models
 from rlax import run as run_lib
 from rlax.config import RunConfig
 from rlax.models import sharding as shd
+from rlax.models import variation
 from rlax.sampler import layouts, sizing
 from rlax.sampler.engine import make_layout
 
@@ -175,9 +176,8 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   # Gradients in the trained tree's dtype and layout: the step's result and the clipped update live together;
   # accumulating over micro-batches adds the running sum.
   grads = trained * (2 if n_micro == 1 else 3)
-  lora = run.lora.enabled
-  # LoRA: the frozen base is held too, and it is the KL reference (no second copy).
-  params = trained + (_param_bytes(cfg, mesh, jnp.dtype(cfg.param_dtype).itemsize) if lora else 0)
+  frozen = trainer.variation.frozen_base  # held beside what trains, and the KL reference (no second copy)
+  params = trained + (_param_bytes(cfg, mesh, jnp.dtype(cfg.param_dtype).itemsize) if frozen else 0)
   one_layer = _layer_acts(cfg, rows * seq, seq, tensor, isz, _TRAIN_PER_ELEM)
   remat = cfg.remat and (cfg.scan_layers or platform != "cpu")
   if remat:  # each layer's input is kept; one layer at a time is recomputed for its backward pass
@@ -189,11 +189,10 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   copies = _TIED_LOGIT_COPIES if cfg.tie_embeddings else _LOGIT_COPIES
   logits = copies * rows * positions * _split(cfg.vocab_size, tensor) * 4
   notes.update({
-      "trainer.params": f"{cfg.param_dtype}, sharded on the trainer mesh" + (
-          f" (the frozen base + rank-{run.lora.rank} adapters)" if lora else ""),
-      "trainer.opt_state": "AdamW moments (dtype and layout of the " + ("adapters)" if lora else "params)"),
+      "trainer.params": f"{cfg.param_dtype}, sharded on the trainer mesh ({trainer.variation.describe()})",
+      "trainer.opt_state": "AdamW moments (dtype and layout of what trains)",
       "trainer.grads": f"{cfg.param_dtype}" + (f", + running sum over {n_micro} micro-batches" if n_micro > 1 else ""),
-      "trainer.ref_params": ("the frozen base (LoRA: no copy)" if lora else "reference policy (algorithm.kl_coef > 0)")
+      "trainer.ref_params": ("the frozen base (no copy)" if frozen else "reference policy (algorithm.kl_coef > 0)")
                             if kl else "none (algorithm.kl_coef = 0)",
       "trainer.batch": f"{rows_all} {'packed ' if packed else ''}rows x {seq} tokens",
       "trainer.activations": (f"{live} live micro-batch of at most {rows} rows x {seq} tokens per device "
@@ -209,7 +208,7 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   notes["trainer.critic"] = ("value model (algorithm ppo): params, AdamW moments, gradients; its activations "
                              "come after the policy's" if critic else "none (no value model)")
   return dict(params=params, opt_state=sizing.tree_bytes(state.opt_state), grads=grads,
-              ref_params=params if kl and not lora else 0,
+              ref_params=params if kl and not frozen else 0,
               critic=critic, batch=sizing.tree_bytes(batch), activations=int(live * acts), logits=int(live * logits))
 
 
@@ -238,18 +237,19 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   decode = layer_w + tied_head + sampling  # the fused per-layer weights live through the decode loop
   scratch = max(prefill, refill, decode)
   which = "decode" if scratch == decode else "refill" if scratch == refill else "prefill"
+  frozen = variation.of(cfg, run.lora).frozen_base  # pushes merge into the sampler's own copy of the base
   kind = "paged pool" if isinstance(layout, layouts.Paged) else "dense"
   slots_note = "rollout.slots = -1: as many as the budget holds" if r.slots == -1 else "rollout.slots"
   notes.update({
       "sampler.weights": f"{cfg.dtype} (the compute dtype)",
       "sampler.spare_weights": f"{keep} more version(s): the newest kept / arriving while the sampler uses one",
       "sampler.pristine_base": ("LoRA: the base every pushed version of the adapters merges into (compute dtype)"
-                                if run.lora.enabled else "none (no adapters)"),
+                                if frozen else "none (no adapters)"),
       "sampler.kv_cache": f"{b} slots x {S} tokens per device ({B} slots: {slots_note}; {kind} layout)",
       "sampler.scratch": f"largest program scratch: {which} (weight copies, sampling buffers, activations)",
   })
   return dict(weights=mem["params"], spare_weights=keep * mem["params"],
-              pristine_base=mem["params"] if run.lora.enabled else 0, kv_cache=mem["cache"], scratch=int(scratch))
+              pristine_base=mem["params"] if frozen else 0, kv_cache=mem["cache"], scratch=int(scratch))
 
 
 def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,

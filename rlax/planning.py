@@ -44,6 +44,7 @@ from rlax import config as config_lib
 from rlax import models
 from rlax import planning_programs as lowerings
 from rlax import planning_sync
+from rlax.models import variation
 from rlax.multihost import CrossMeshPush
 from rlax.sampler import Sampler, sizing
 from rlax.topology import Topology, build_topology
@@ -209,6 +210,7 @@ def make_plan(c) -> dict[str, Any]:
                     "more FSDP (topology.trainer_mesh.fsdp) or more trainer slices")
     progs += [_analyze(low, desc_t, chip)[0] for low in train]
   slots = lowerings.sampler_slots(c, topo.sampler_mesh, chip.hbm_bytes)
+  kind = variation.of(cfg, c.lora)  # what trains and what a push carries
   sampler = lowerings.build_sampler(c, topo.sampler_mesh, slots)
   first = lowerings.build_sampler(c, on_first_slices(topo.sampler_mesh, devices), slots)
   decode = None
@@ -216,7 +218,7 @@ def make_plan(c) -> dict[str, Any]:
   sampler_lows = [low for low in sampler_all if low.base in want]
   if sampler_lows:
     resident = first.memory["params"] + first.memory["cache"]  # the engine's own accounting
-    if c.lora.enabled:  # + the pristine base the adapters merge into
+    if kind.frozen_base:  # + the pristine base the adapters merge into
       resident += planning_sync.pristine_bytes(c, first.mesh)
     _check_resident("sampler_decode", resident, chip, "params + KV cache alone",
                     " or ".join(_KNOBS["sampler_decode"]))
@@ -231,13 +233,13 @@ def make_plan(c) -> dict[str, Any]:
       compiled = unrolled.lower_decode(builders.sampling_method(c)).compile()
       counted_s = time.perf_counter() - t0
     decode = dict(lowerings.decode_counts(c, first, compiled), unrolled_compile_s=counted_s)
-  if c.lora.enabled and "sampler_merge" in want:
+  if kind.frozen_base and "sampler_merge" in want:
     merge = lowerings.Lowering("sampler_merge", lambda: planning_sync.lower_merge(c, first))
     progs.append(_analyze(merge, desc_s, chip)[0])
   if not topo.colocated and {"push_to_transport", "push_cross", "push_to_sampler"} & set(want):
     target = planning_sync.push_target(c, sampler)  # what the sampler receives: weights, or LoRA's adapters
     push = CrossMeshPush(topo.trainer_mesh, topo.sampler_mesh, jax.tree.map(lambda x: x.sharding, target),
-                         dtype=None if c.lora.enabled else cfg.jnp_dtype)
+                         dtype=kind.push_dtype(cfg.jnp_dtype))
     t0 = time.perf_counter()
     parts = push.lowered(trainer.abstract_state().params, compile_mesh=lambda m: on_first_slices(m, devices))
     lower_s = (time.perf_counter() - t0) / len(parts)  # lowering is shared; split it evenly

@@ -19,6 +19,7 @@ from rlax import builders
 from rlax import config as config_lib
 from rlax import models
 from rlax import run as run_lib
+from rlax.models import variation
 from rlax.sampler import Sampler, layouts, paged, sizing
 from rlax.trainer import Trainer
 
@@ -61,8 +62,8 @@ def train_lowerings(c: config_lib.RunConfig, trainer: Trainer) -> list[Lowering]
   batches = dict(zip(plan.programs, plan.abstract(trainer, with_ref=c.algorithm.kl_coef > 0)))
   r, cfg = c.rollout, c.model
   seq = r.max_prompt_len + r.max_new_tokens
-  # forward + backward (2x; LoRA: 1x, no weight gradients of the frozen base) + the remat forward
-  passes = (4 if cfg.remat else 3) - (1 if c.lora.enabled else 0)
+  # forward + backward (the variation's passes) + the remat forward
+  passes = 1 + variation.of(cfg, c.lora).backward_passes + (1 if cfg.remat else 0)
   flops = passes * model_flops(cfg, r.rows * seq, seq // 2) / trainer.mesh.devices.size
   order = [largest] + [p for p in plan.programs if p != largest]
   lower = lambda batch: lambda: trainer.lower_step(trainer.abstract_state(), batch)

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from rlax import config as config_lib
 from rlax import models
 from rlax.models import lora as lora_lib
+from rlax.models import variation
 from rlax.multihost import transport_spec
 from rlax.sampler import Sampler, sizing
 
@@ -24,9 +25,7 @@ def _with(shapes: Any, shardings: Any) -> Any:
 def push_target(c: config_lib.RunConfig, sampler: Sampler) -> Any:
   """ShapeDtypeStructs (on the sampler's shardings) of what a push delivers: the weights in the compute
   dtype, or LoRA's adapters (f32, as the runtime's AdapterTransport sends them)."""
-  if not c.lora.enabled:
-    return sampler.abstract_params()
-  return _with(lora_lib.abstract(c.model, c.lora), lora_lib.adapter_shardings(c.model, c.lora, sampler.mesh))
+  return variation.of(c.model, c.lora).pushed(sampler.abstract_params(), sampler.mesh)
 
 
 def pristine_base(c: config_lib.RunConfig, mesh) -> Any:
@@ -69,7 +68,7 @@ def push_estimate(target: Any, chip, cross_dcn: bool) -> dict[str, float]:
 def estimates(c: config_lib.RunConfig, sampler: Sampler, chip, cross_dcn: bool) -> dict[str, Any]:
   """The push estimate; with LoRA also the base's one-time push and the pristine copy's bytes per sampler chip."""
   out = dict(push=push_estimate(push_target(c, sampler), chip, cross_dcn))
-  if c.lora.enabled:
+  if variation.of(c.model, c.lora).frozen_base:
     full = push_estimate(pristine_base(c, sampler.mesh), chip, cross_dcn)
     out.update(push_base_once=full, lora=dict(
         rank=c.lora.rank, targets=list(c.lora.targets),

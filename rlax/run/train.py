@@ -85,10 +85,25 @@ def row_lengths(run: RunConfig) -> tuple[int, ...]:
                                run.optimizer.share_prompts)
 
 
+def _full_length_cost(run: RunConfig, prog: TrainProgram, trainer) -> float:
+  """`packing.row_cost` of the rows `prog` runs for a batch of full-length sequences with shared prompts (whole
+  groups to a row where they fit, else a group's responses over rows that each hold its prompt), in whole
+  micro-batches: where this is not below the padded batch's cost, packing may not pay and the padded program
+  is kept for the batches where it does not."""
+  r = run.rollout
+  P, N, G, L = r.max_prompt_len, r.max_new_tokens, r.samples_per_prompt, prog.length
+  groups = r.rows // G
+  whole = L // (P + G * N)
+  rows = -(-groups // whole) if whole else groups * -(-G // max(1, (L - P) // N))
+  per = prog.micro_rows  # rows of one micro-batch over every shard; micro-batches run whole
+  return packing.row_cost(run.model, -(-rows // per) * per, L)
+
+
 def train_plan(run: RunConfig, trainer) -> TrainPlan:
   """The run's train programs on `trainer`'s mesh: one packed program per row length (one row per sequence at
   most, micro-batches of optimizer.micro_batch_tokens, else of the rows a batch of full-length sequences
-  needs) and the padded one where packing may save too little (no shared prompts, or groups of one)."""
+  needs) and the padded one where packing may save too little (no shared prompts, groups of one, or full-length
+  sequences that fill packed rows no better than padded ones)."""
   r, o = run.rollout, run.optimizer
   B, P, N, G = r.rows, r.max_prompt_len, r.max_new_tokens, r.samples_per_prompt
   seq, unit = P + N, trainer.packed_rows_multiple()
@@ -104,6 +119,8 @@ def train_plan(run: RunConfig, trainer) -> TrainPlan:
     K = packing.slot_cap(L, P, N, G, o.share_prompts)
     order = tuple(int(i) for i in fill_order(R, n, shards))
     programs.append(TrainProgram(R, L, n, packing.PackedShape(L, R, K, order)))
-  if not programs or not o.share_prompts or G == 1:
+  if not programs or not o.share_prompts or G == 1 or any(
+      _full_length_cost(run, p, trainer) > packing.PACKED_OVERHEAD_RATIO * packing.row_cost(run.model, B, seq)
+      for p in programs):
     programs.append(TrainProgram(B, seq, trainer.num_micro_batches(B, seq)))
   return TrainPlan(tuple(programs), seqs=B, prompt_len=P, max_new_tokens=N)

@@ -186,7 +186,7 @@ def recover(run: RunConfig, parts: builders.Components, faults: Faults, err: Bas
   from_step, history = step, None
   if new.trainer is not parts.trainer:
     faults.phase("restore")
-    if run.lora.enabled:  # checkpoints hold the adapters only: the frozen base is read again onto the new mesh
+    if new.trainer.variation.frozen_base:  # checkpoints hold what trains only: the base is read again onto the new mesh
       new.trainer.set_base(builders.initial_params(run, topo.trainer_mesh))
     resume = restore(new.trainer.abstract_state())  # the new mesh's own layout
     new.weights.forget_history()
@@ -195,9 +195,9 @@ def recover(run: RunConfig, parts: builders.Components, faults: Faults, err: Bas
                          "before the first checkpoint; restart the run")
     step, state, kept, data_state, history = (resume.step, resume.state, resume.pending, resume.data_state,
                                                resume.history)
-    if ref_params is not None:  # LoRA: the reference is the base
-      ref_params = (new.trainer.base if run.lora.enabled else resume.ref_params if resume.ref_params is not None
-                    else jax.device_put(ref_params, new.trainer.state_shardings().params))
+    if ref_params is not None:  # a frozen base is the reference; else the saved one, or this one moved
+      ref_params = (new.trainer.base if new.trainer.variation.frozen_base else resume.ref_params
+                    if resume.ref_params is not None else jax.device_put(ref_params, new.trainer.state_shardings().params))
   elif kept:
     data_state = kept[-1].data_state
   faults.phase("push")

@@ -105,8 +105,7 @@ def start_point(run: RunConfig, mesh, trainer, run_state: RunState, metrics: Met
   if state is None:
     return StartPoint(0, None, [], None, None, {}, resumed=False, sft_done=sft_done)
   data_state = data.get_state() if data is not None else {}
-  # LoRA: the reference is the frozen base (no copy); else a copy of the donated params.
-  ref_params = (trainer.base if run.lora.enabled else jax.tree.map(lambda x: x.copy(), state.params)) if kl else None
+  ref_params = trainer.variation.reference(state.params, trainer.base) if kl else None
   if run.controller.steps > 0:  # step 0 is saved at once: the warm start's work is kept, and a trainer slice
     # lost before the first periodic checkpoint restarts from these weights
     run_state.save(0, state, pending=[], data_state=data_state, version=0, history=[], eval_before=None,

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from rlax import algorithms
 from rlax import models
 from rlax.models import lora as lora_lib
+from rlax.models import variation
 from rlax.models import sharding as shd
 from rlax.models.init import abstract_params
 from rlax.trainer import critic as critic_lib
@@ -73,7 +74,7 @@ class Trainer:
     self.model_cfg, self.algo, self.optim, self.mesh = model_cfg, algo, optim, mesh
     self.group_size, self.micro_batches, self.micro_batch_tokens = group_size, micro_batches, micro_batch_tokens
     self.chunk, self.temperature = logprob_chunk, temperature
-    self.lora, self.lora_seed = (lora or lora_lib.LoraConfig()).validate(), lora_seed
+    self.variation = variation.of(model_cfg, lora, lora_seed)  # what the state's params are
     self.base = None  # LoRA: the frozen base weights on the parameter shardings
     self.tx = make_optimizer(optim)
     self._lr = make_schedule(optim)
@@ -103,30 +104,19 @@ class Trainer:
     if self.algo.has_value_model:
       c = critic_lib.init_params(params if critic_trunk is None else critic_trunk)
       critic = TrainState(jnp.zeros((), jnp.int32), c, self.critic_tx.init(c))
-    if self.lora.enabled:  # only the adapters train (and carry AdamW moments)
-      params = lora_lib.init(self.model_cfg, self.lora, jax.random.key(self.lora_seed))
+    params = self.variation.init(params)
     return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), critic)
-
-  def _trained(self):
-    """Abstract tree of what the state's params hold: the model's params, or its adapters."""
-    if self.lora.enabled:
-      return lora_lib.abstract(self.model_cfg, self.lora)
-    return abstract_params(self.model_cfg)
-
-  def _full(self, params, base):
-    """The model's params a forward uses: `params` itself, or the frozen base with the adapters attached."""
-    return lora_lib.attach(base, params, self.lora) if self.lora.enabled else params
 
   def set_base(self, params) -> None:
     """LoRA: the frozen base weights (placed on the parameter shardings); the KL reference is this base."""
-    if not self.lora.enabled:
+    if not self.variation.frozen_base:
       raise ValueError("set_base: this trainer has no adapters (model.lora.rank=0)")
     self.base = params if self.mesh is None else jax.device_put(params, models.param_shardings(self.model_cfg,
                                                                                                  self.mesh))
 
   def merged_params(self, params):
     """The policy as plain weights: `params`, or the base with the adapters merged (export, evaluation)."""
-    return lora_lib.merge(self.base, params, self.lora) if self.lora.enabled else params
+    return self.variation.merge(params, self.base)
 
   def state_shardings(self) -> Optional[TrainState]:
     """TrainState of the shardings `init_state` and the steps produce (None without a mesh): params and
@@ -136,10 +126,9 @@ class Trainer:
   def _make_state_shardings(self) -> Optional[TrainState]:
     if self.mesh is None:
       return None
-    shard = (lora_lib.adapter_shardings(self.model_cfg, self.lora, self.mesh) if self.lora.enabled
-             else models.param_shardings(self.model_cfg, self.mesh))
+    shard = self.variation.shardings(self.mesh)
     rep = NamedSharding(self.mesh, P())
-    opt = jax.eval_shape(self.tx.init, self._trained())
+    opt = jax.eval_shape(self.tx.init, self.variation.abstract())
     opt_shard = optax.tree_map_params(self.tx, lambda _, s: s, opt, shard, transform_non_params=lambda _: rep)
     critic = None
     if self.algo.has_value_model:
@@ -235,13 +224,12 @@ class Trainer:
     shardings = self.state_shardings()
     trunk = (critic_lib.load_trunk(self.algo.critic_init, self.model_cfg, self.mesh) if self.algo.has_value_model
              else None)
-    if self.lora.enabled:
+    if self.variation.frozen_base:  # the starting weights stay as the base; the state holds what trains
       self.set_base(params)
       params = self.base
     if shardings is None:
       return jax.jit(self._new_state)(params, trunk)
-    if not self.lora.enabled:
-      params = jax.device_put(params, shardings.params)
+    params = jax.device_put(params, models.param_shardings(self.model_cfg, self.mesh))
     with self._ctx():
       return jax.jit(self._new_state, out_shardings=shardings)(params, trunk)
 
@@ -295,10 +283,8 @@ class Trainer:
       return self._sft(state, batch, *self._base_arg(self.base))
 
   def _base_arg(self, base) -> tuple:
-    """The steps' third argument, the frozen base, with LoRA only (full fine-tuning keeps (state, batch))."""
-    if self.lora.enabled and base is None:
-      raise ValueError("a LoRA trainer needs its base weights: init_state(params) or set_base(params) first")
-    return (base,) if self.lora.enabled else ()
+    """The steps' arguments after (state, batch) (`variation.step_args`: the frozen base with LoRA)."""
+    return self.variation.step_args(base)
 
   def ref_logprobs(self, ref_params, batch: RolloutBatch | PackedBatch | SFTBatch) -> jax.Array:
     """Reference-model log-probs f32 of the batch's tokens (no gradient), aligned with loss_mask ([B, T-1]
@@ -335,7 +321,7 @@ class Trainer:
     layout = layouts.of(batch)
     if (batch.advantages is None or ppo) and rl.kl_reward_old_logprobs(self.algo):
       # KL in the reward is measured from the old policy (the params at step start), not the sampler.
-      old = self._ref_logprobs(self._full(state.params, base), layout.inputs(batch), layout)
+      old = self._ref_logprobs(self.variation.forward(state.params, base), layout.inputs(batch), layout)
     targets = None
     if ppo:
       targets = critic_lib.value_targets(self, state.critic.params, batch, old)
@@ -345,7 +331,7 @@ class Trainer:
     num_tokens, num_seqs = algorithms.denominators(inputs.loss_mask, layout.segments(inputs.model))
 
     def loss_fn(params, mb):
-      return rl.rl_loss(self._full(params, base), self.model_cfg, self.algo, mb, num_tokens=num_tokens,
+      return rl.rl_loss(self.variation.forward(params, base), self.model_cfg, self.algo, mb, num_tokens=num_tokens,
                         num_seqs=num_seqs,
                         num_rows=batch.batch_size, chunk=self.chunk, temperature=self.temperature, layout=layout)
 
@@ -372,7 +358,7 @@ class Trainer:
     num_tokens = jnp.sum(batch.loss_mask.astype(jnp.float32))
 
     def loss_fn(params, mb):
-      return sft_loss(self._full(params, base), self.model_cfg, mb, num_tokens=num_tokens, chunk=self.chunk)
+      return sft_loss(self.variation.forward(params, base), self.model_cfg, mb, num_tokens=num_tokens, chunk=self.chunk)
 
     grads, loss, stacked = accumulate_gradients(loss_fn, state.params, batch,
                                                 self.num_micro_batches(*batch.tokens.shape), active=_has_loss)

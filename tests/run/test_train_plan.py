@@ -20,11 +20,11 @@ P, N, G = 6, 10, 4
 CFG = dict(preset="w1", vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, mlp_dim=32)
 
 
-def _run(**opt):
+def _run(rollout=None, **opt):
   return config_lib.load({"workdir": "unused", "model": {"preset": "w1", "overrides": {k: v for k, v in CFG.items()
                                                                                        if k != "preset"}},
                           "rollout": {"prompts_per_step": 2, "samples_per_prompt": G, "max_prompt_len": P,
-                                      "max_new_tokens": N},
+                                      "max_new_tokens": N, **(rollout or {})},
                           "algorithm": {"name": "grpo", "kl_coef": 0.0}, "optimizer": opt})
 
 
@@ -56,13 +56,25 @@ def test_plan_holds_one_row_per_sequence_in_whole_micro_batches():
   run = _run(micro_batch_tokens=64)
   trainer = builders.trainer(run, None)
   plan = run_lib.train_plan(run, trainer)
-  (prog,) = plan.programs  # shared prompts: one packed length, no padded alternative
+  prog = plan.programs[0]  # shared prompts: one packed length
   assert prog.packed is not None and (prog.length,) == packing.auto_row_lens(run.model, P, N, G, True)
   assert prog.rows >= run.rollout.rows  # one row per sequence at most
   assert prog.micro_rows == max(1, 64 // prog.length) and prog.rows % prog.micro_batches == 0
   assert prog.packed.slots == packing.slot_cap(prog.length, P, N, G, True) >= N
   share_off = run_lib.train_plan(_run(share_prompts=False), trainer)
   assert [p.packed is None for p in share_off.programs] == [False, True]  # packed + the padded alternative
+
+
+def test_the_padded_program_stays_where_full_length_sequences_pack_no_better():
+  """Long prompts shared by a group pack well even at full length: one program. Short prompts and full-length
+  responses fill packed rows no better than padded ones (W3's random tokens never stop): the padded program is
+  kept, and each batch takes the cheaper."""
+  trainer = builders.trainer(_run(), None)
+  plan = lambda prompt, new: run_lib.train_plan(
+      _run(rollout=dict(max_prompt_len=prompt, max_new_tokens=new), pack_tokens=128, micro_batch_tokens=128), trainer)
+  long_prompts, short_prompts = plan(100, 4), plan(2, 30)
+  assert [p.packed is None for p in long_prompts.programs] == [False]
+  assert [p.packed is None for p in short_prompts.programs] == [False, True]
 
 
 def test_no_compile_after_warm_up_across_varied_batches():
