@@ -47,7 +47,8 @@ def local_plan():
 def test_local_plan_compiles_every_program(local_plan):
   _, t = local_plan
   progs = {p["name"]: p for p in t["programs"]}
-  assert list(progs) == NAMES
+  # the run's further train programs (e.g. the padded one kept beside the packed) are named trainer_step[...]
+  assert [n for n in progs if not n.startswith("trainer_step[")] == NAMES
   for p in progs.values():
     assert p["argument_bytes"] > 0 and p["output_bytes"] > 0 and p["peak_bytes"] > 0, p
     assert p["compile_s"] > 0
@@ -306,7 +307,7 @@ def test_lora_plan_pushes_adapters_and_merges_into_the_pristine_base(local_plan)
   run = config_lib.load(c)
   cfg = run.model
   progs = {p["name"]: p for p in t["programs"]}
-  assert list(progs) == ["trainer_step", "sampler_merge", "push_cross"]
+  assert [n for n in progs if not n.startswith("trainer_step[")] == ["trainer_step", "sampler_merge", "push_cross"]
   n_adapters = cfg.n_layers * 4 * sum(
       i + o for i, o in [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)])
   lo = t["estimates"]["lora"]
