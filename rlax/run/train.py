@@ -85,7 +85,7 @@ def row_lengths(run: RunConfig) -> tuple[int, ...]:
                                run.optimizer.share_prompts)
 
 
-def _full_length_cost(run: RunConfig, prog: TrainProgram, trainer) -> float:
+def _full_length_cost(run: RunConfig, prog: TrainProgram) -> float:
   """`packing.row_cost` of the rows `prog` runs for a batch of full-length sequences with shared prompts (whole
   groups to a row where they fit, else a group's responses over rows that each hold its prompt), in whole
   micro-batches: where this is not below the padded batch's cost, packing may not pay and the padded program
@@ -120,7 +120,7 @@ def train_plan(run: RunConfig, trainer) -> TrainPlan:
     order = tuple(int(i) for i in fill_order(R, n, shards))
     programs.append(TrainProgram(R, L, n, packing.PackedShape(L, R, K, order)))
   if not programs or not o.share_prompts or G == 1 or any(
-      _full_length_cost(run, p, trainer) > packing.PACKED_OVERHEAD_RATIO * packing.row_cost(run.model, B, seq)
+      _full_length_cost(run, p) > packing.PACKED_OVERHEAD_RATIO * packing.row_cost(run.model, B, seq)
       for p in programs):
     programs.append(TrainProgram(B, seq, trainer.num_micro_batches(B, seq)))
   return TrainPlan(tuple(programs), seqs=B, prompt_len=P, max_new_tokens=N)

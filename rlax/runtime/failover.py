@@ -196,8 +196,9 @@ def recover(run: RunConfig, parts: builders.Components, faults: Faults, err: Bas
     step, state, kept, data_state, history = (resume.step, resume.state, resume.pending, resume.data_state,
                                                resume.history)
     if ref_params is not None:  # a frozen base is the reference; else the saved one, or this one moved
+      moved = lambda: jax.device_put(ref_params, new.trainer.state_shardings().params)
       ref_params = (new.trainer.base if new.trainer.variation.frozen_base else resume.ref_params
-                    if resume.ref_params is not None else jax.device_put(ref_params, new.trainer.state_shardings().params))
+                    if resume.ref_params is not None else moved())
   elif kept:
     data_state = kept[-1].data_state
   faults.phase("push")
