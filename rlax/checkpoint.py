@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 from typing import Any, Mapping, Optional
 
@@ -79,6 +80,19 @@ def abstract_like(tree: Any) -> Any:
                       jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+def _release_orphaned_waiters() -> None:
+  """A save that failed before its directory existed leaves orbax threads waiting for that signal, 300 s each,
+  and they are not daemon threads: the process hung 5 minutes at exit. Setting the signals they wait for lets
+  them run (and fail) at once. Orbax internals, so a missing name only skips this."""
+  try:
+    from orbax.checkpoint._src.futures import future as orbax_future  # pylint: disable=g-import-not-at-top
+    for t in threading.enumerate():
+      if isinstance(t, orbax_future._SignalingThread) and t.is_alive():  # pylint: disable=protected-access
+        orbax_future.set_signals(t._receive_signals, operation_id=t._operation_id)  # pylint: disable=protected-access
+  except (ImportError, AttributeError) as e:
+    logging.vlog(1, "checkpoint: cannot release orbax's waiting threads: %s", e)
+
+
 class Checkpointer:
   """Periodic, async, keep-last-`keep` checkpoints of (state tree, JSON meta) under `directory`.
 
@@ -87,7 +101,8 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str, keep: int = 3, every_steps: int | None = None,
-               every_seconds: float | None = None, async_save: bool = True, processes: set[int] | None = None):
+               every_seconds: float | None = None, async_save: bool = True, processes: set[int] | None = None,
+               concurrent_gb: float | None = None):
     if keep < 1:
       raise ValueError(f"Checkpointer keep={keep}: must keep at least one checkpoint")
     for name, v in (("every_steps", every_steps), ("every_seconds", every_seconds)):
@@ -105,9 +120,12 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                            cleanup_tmp_directories=True, multiprocessing_options=mp,
                                            create=not processes)
+    # concurrent_gb: the host copy a save holds at once (rlax.run.save_concurrent_gb); None: orbax's default.
+    state_handler = (ocp.StandardCheckpointHandler() if concurrent_gb is None else
+                     ocp.StandardCheckpointHandler(save_concurrent_gb=concurrent_gb))
     self._mgr = ocp.CheckpointManager(
         self.directory, options=options,
-        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+        item_handlers={"state": state_handler, "meta": ocp.JsonCheckpointHandler()})
     self._last_time = time.time()
     self._last_step = self._mgr.latest_step()
     self._single_writer = jax.process_count() == 1 or (processes is not None and len(processes) == 1)
@@ -147,6 +165,7 @@ class Checkpointer:
     try:  # orbax first waits for the previous save, so its failure surfaces here too
       self._mgr.save(step, args=args, force=True)
     except Exception as e:
+      _release_orphaned_waiters()
       raise CheckpointError(f"checkpoint save of step {step} to {self.directory} failed: {short_error(e)}"
                             ) from None
     self._last_step, self._last_time = step, time.time() if now is None else now
@@ -222,6 +241,7 @@ class Checkpointer:
     try:
       self._mgr.wait_until_finished()
     except Exception as e:
+      _release_orphaned_waiters()
       raise CheckpointError(f"checkpoint save of step {self._last_step} to {self.directory} failed: "
                             f"{short_error(e)}") from None
 

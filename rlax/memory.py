@@ -268,16 +268,18 @@ def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,
   notes: dict[str, str] = {}
   trainer = _trainer_items(run, tmesh, platform, notes)
   sampler = _sampler_items(run, smesh, platform, notes, sampler_budget_bytes)
-  # A checkpoint save copies the train state to the host before writing it; where it blocks (on CPU devices) the
-  # copy replaces the step's transients (gradients, activations, logits) rather than adding to them.
-  state = (trainer["params"] + trainer["opt_state"] + trainer["critic"]) * trainer_devices
+  # A checkpoint save copies the train state to the host before writing it; where it blocks (on CPU devices) it
+  # streams chunks of it, and the chunk replaces the step's transients (gradients, activations, logits) rather
+  # than adding to them.
+  state = run_lib.host_copy_bytes(platform, (trainer["params"] + trainer["opt_state"] + trainer["critic"])
+                                  * trainer_devices)
   blocks = run_lib.checkpoint_blocks(platform)
   if blocks:
     state = max(0, state - (trainer["grads"] + trainer["activations"] + trainer["logits"]) * trainer_devices)
   host = dict(runtime=_RUNTIME_BYTES, checkpoint=state)
   notes.update({"host.runtime": "Python, JAX/XLA and the compiled programs, tokenizer and records",
-                "host.checkpoint": ("the train state's host copy beyond the step's transients (a save blocks "
-                                    "between steps)" if blocks else
+                "host.checkpoint": ("the chunk of the train state a save streams, beyond the step's "
+                                    "transients (a save blocks between steps)" if blocks else
                                     "the train state's host copy while an async checkpoint save runs")})
   return MemoryEstimate(trainer, sampler, trainer_devices, sampler_devices, topo.colocated, notes,
                         dict(tmesh.shape), dict(smesh.shape), host, host_is_device=platform == "cpu")

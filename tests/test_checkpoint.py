@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import jax
@@ -241,3 +242,45 @@ def test_save_into_a_removed_directory_is_one_error(tmp_path, mesh8):
     c.wait()
   assert "\n" not in str(e.value) and e.value.__cause__ is None
   c.close()  # logs, does not raise again
+  # orbax's threads that waited for the missing directory (300 s, not daemons: exit hung 5 minutes) are gone
+  waiting = lambda: [t for t in threading.enumerate() if type(t).__name__ == "_SignalingThread" and t.is_alive()]
+  deadline = time.time() + 30
+  while waiting() and time.time() < deadline:
+    time.sleep(0.1)
+  assert not waiting()
+
+
+def _rss_bytes():
+  with open("/proc/self/status") as f:
+    return int(f.read().split("VmRSS:")[1].split()[0]) * 1024
+
+
+def test_blocking_save_streams_the_state_in_chunks(tmp_path):
+  """concurrent_gb (rlax.run.save_concurrent_gb on CPU): the save's host copy is a chunk, not the state (copied
+  whole, this 512 MB state added most of it), and the state round-trips."""
+  gb = float(os.environ.get("TEST_CONCURRENT_GB", "0.032"))  # TEST_CONCURRENT_GB=0: copied whole (must fail)
+  with ck.Checkpointer(tmp_path / "warm", async_save=False, concurrent_gb=gb or None) as c:
+    c.save(1, {"w": jnp.ones(4)}, force=True)  # orbax's own set-up (threads, tensorstore) is not the copy
+  rng = np.random.default_rng(0)
+  state = {f"w{i}": jax.device_put(rng.standard_normal((2048, 2048), np.float32)) for i in range(32)}
+  jax.block_until_ready(state)
+  before, peak, done = _rss_bytes(), [0], threading.Event()
+
+  def watch():
+    while not done.is_set():
+      peak[0] = max(peak[0], _rss_bytes())
+      time.sleep(0.002)
+
+  t = threading.Thread(target=watch)
+  t.start()
+  try:
+    with ck.Checkpointer(tmp_path / "run", async_save=False, concurrent_gb=gb or None) as c:
+      c.save(1, state, {"step": 1}, force=True)
+  finally:
+    done.set()
+    t.join()
+  assert peak[0] - before < 128e6, (peak[0] - before) / 1e6
+  with ck.Checkpointer(tmp_path / "run") as c:
+    _, got, meta = c.restore_latest(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                                sharding=x.sharding), state))
+  assert meta["step"] == 1 and _equal(got, state)

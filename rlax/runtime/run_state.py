@@ -61,9 +61,11 @@ class RunState:
     ck = run.checkpoint
     self.run = run
     solo = {jax.process_index()} if jax.process_count() > 1 else None  # the trainer's process saves alone
+    platform = jax.default_backend()
     self.ckpt = Checkpointer(os.path.join(run.workdir, "checkpoints"), keep=ck.keep,
                              every_steps=ck.every_steps or None, every_seconds=ck.every_seconds or None,
-                             processes=solo, async_save=not run_lib.checkpoint_blocks(jax.default_backend()))
+                             processes=solo, async_save=not run_lib.checkpoint_blocks(platform),
+                             concurrent_gb=run_lib.save_concurrent_gb(platform))
     self._solo = solo
     self._sft: Optional[Checkpointer] = None  # the warm start's own checkpoints, opened when first needed
     # Deterministic mode regenerates nothing on resume: the rollouts generated ahead are saved.
