@@ -4,6 +4,7 @@
   python -m launch.main --config=configs/demo.py --config.controller.steps=20
   python -m launch.main --config=configs/demo.py:smoke     # 10 RL steps (CI runs this)
   python -m launch.main --config=configs/demo.py:tiny      # a 1-layer model, 4 steps (tests)
+  python -m launch.main --config=configs/demo.py:tiny_moe  # the same with 4 routed experts, top-2 (Mixtral)
 
 Trainer and sampler run on disjoint submeshes (2 slices of 2 devices each).
 A short SFT warm start gives the policy a partial skill; RL then raises its
@@ -44,7 +45,7 @@ def get_config(arg: str | None = None):
   c.reward.name = "digit_sort"
   c.eval.n_samples = 8
   c.checkpoint.every_steps = 20
-  if arg == "tiny":  # seconds-long runs (tests): a 1-layer model, no warm start, 4 steps
+  if arg in ("tiny", "tiny_moe"):  # seconds-long runs (tests): a 1-layer model, no warm start, 4 steps
     c.workdir = "runs/demo_tiny"
     c.model.overrides = dict(vocab_size=128, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
                              mlp_dim=64)
@@ -54,11 +55,15 @@ def get_config(arg: str | None = None):
     c.data.n_train, c.data.n_eval = 256, 4
     c.eval.n_samples = 2
     c.checkpoint.every_steps = 2
+    if arg == "tiny_moe":
+      c.workdir = "runs/demo_tiny_moe"
+      c.model.overrides = dict(c.model.overrides, arch="mixtral", mlp_dim=32,
+                               moe=dict(n_experts=4, top_k=2, expert_mlp_dim=32))
   elif arg == "smoke":
     c.workdir = "runs/demo_smoke"
     c.init.sft_steps = 60
     c.controller.steps = 10
     c.data.n_eval = 32
   elif arg:
-    raise ValueError(f"configs/demo.py: unknown argument {arg!r}; use 'smoke' or 'tiny'")
+    raise ValueError(f"configs/demo.py: unknown argument {arg!r}; use 'smoke', 'tiny' or 'tiny_moe'")
   return c

@@ -151,7 +151,7 @@ def _act_itemsize(cfg: models.ModelConfig, platform: str) -> int:
 def _layer_acts(cfg: models.ModelConfig, tokens: int, keys: int, tensor: int, isz: int,
                 coef: Mapping[str, float]) -> float:
   """One layer's activation bytes for `tokens` queries attending over `keys` positions."""
-  h, k, f = _split(cfg.n_heads, tensor), _split(cfg.n_kv_heads, tensor), _split(cfg.mlp_dim, tensor)
+  h, k, f = _split(cfg.n_heads, tensor), _split(cfg.n_kv_heads, tensor), _split(cfg.active_mlp_dim, tensor)
   per_token = (isz * (coef["embed"] * (cfg.d_model + (h + k) * cfg.head_dim) + coef["mlp"] * f)
                + 4 * coef["score"] * h * keys)
   return tokens * per_token

@@ -41,9 +41,8 @@ class Lowering:
 
 def model_flops(cfg: models.ModelConfig, tokens: int, context: int) -> float:
   """Forward FLOPs: 2 x matmul params per token + attention (2 x 2 x layers x heads x head_dim x context)."""
-  D, L, H, K, Dh, F, V = (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim,
-                          cfg.vocab_size)
-  matmul = L * (D * (H + 2 * K) * Dh + H * Dh * D + 3 * D * F) + D * V
+  D, L, H, Dh, V = cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.vocab_size
+  matmul = L * cfg.layer_matmul_weights() + D * V
   return tokens * (2 * matmul + 4 * L * H * Dh * context)
 
 

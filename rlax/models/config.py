@@ -1,4 +1,5 @@
-"""Model configuration for the decoder-only transformer family (Llama 3, Qwen2/2.5, Qwen3)."""
+"""Model configuration for the decoder-only transformer family (Llama 3, Qwen2/2.5, Qwen3, and their
+mixture-of-experts relatives Qwen2-MoE, Qwen3-MoE and Mixtral)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,12 +21,35 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """Routed experts in every layer's MLP (rlax.models.moe): a softmax router sends each token to `top_k` of
+  `n_experts` SwiGLU experts of width `expert_mlp_dim`, weighted by their probabilities (renormalized over the
+  k when `norm_topk_prob`: Qwen3-MoE, Mixtral). `shared_mlp_dim` > 0: Qwen2-MoE's shared expert, gated per token
+  by a sigmoid."""
+  n_experts: int
+  top_k: int
+  expert_mlp_dim: int
+  norm_topk_prob: bool = True
+  shared_mlp_dim: int = 0
+
+  def __post_init__(self):
+    for name in ("n_experts", "top_k", "expert_mlp_dim"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"MoEConfig.{name} must be positive, got {getattr(self, name)}")
+    if self.top_k > self.n_experts:
+      raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds n_experts={self.n_experts}")
+    if self.shared_mlp_dim < 0:
+      raise ValueError(f"MoEConfig.shared_mlp_dim={self.shared_mlp_dim} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Shape and numerics of one transformer.
 
   `arch` only selects defaults that differ between families; the switches that
   matter numerically are explicit: `qkv_bias` (Qwen2), `qk_norm` (Qwen3),
-  `rope_scaling` (Llama 3.1+), `tie_embeddings`.
+  `rope_scaling` (Llama 3.1+), `tie_embeddings`, `moe` (routed experts in every layer; `mlp_dim` is then
+  the HF `intermediate_size`, which no layer of an all-MoE stack uses).
   """
   vocab_size: int
   d_model: int
@@ -46,6 +70,7 @@ class ModelConfig:
   remat: bool = False
   scan_layers: bool = False
   max_position: int = 8192
+  moe: Optional[MoEConfig] = None
 
   def __post_init__(self):
     if self.arch not in ARCHS:
@@ -58,6 +83,22 @@ class ModelConfig:
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: use float32, bfloat16 or float16")
+    if (self.moe is not None) != (self.arch in ("mixtral", "qwen2_moe", "qwen3_moe")):
+      raise ValueError(f"ModelConfig.arch={self.arch!r} {'needs' if self.moe is None else 'has no'} a moe section")
+
+  @property
+  def active_mlp_dim(self) -> int:
+    """The MLP width one token computes through (for MoE its top-k experts and the shared one)."""
+    m = self.moe
+    return self.mlp_dim if m is None else m.top_k * m.expert_mlp_dim + m.shared_mlp_dim
+
+  def layer_matmul_weights(self) -> int:
+    """Weights one layer multiplies each token by (q, k, v, o, the MLP it runs through, a MoE's router): the
+    FLOP counts of the packer (rlax.rollout.packing.row_cost) and the planner (rlax.planning_programs)."""
+    d = self.d_model
+    router = 0 if self.moe is None else self.moe.n_experts + (1 if self.moe.shared_mlp_dim else 0)
+    return d * (self.n_heads + 2 * self.n_kv_heads) * self.head_dim + self.n_heads * self.head_dim * d + d * (
+        3 * self.active_mlp_dim + router)
 
   @property
   def jnp_dtype(self):
@@ -73,7 +114,10 @@ class ModelConfig:
   def num_params(self) -> int:
     d, f, h, k, dh, v, n = (self.d_model, self.mlp_dim, self.n_heads, self.n_kv_heads, self.head_dim,
                             self.vocab_size, self.n_layers)
-    per_layer = d * h * dh * 2 + d * k * dh * 2 + 3 * d * f + 2 * d
+    m = self.moe
+    mlp = 3 * d * f if m is None else (m.n_experts * (3 * d * m.expert_mlp_dim + d)
+                                       + (3 * d * m.shared_mlp_dim + d if m.shared_mlp_dim else 0))
+    per_layer = d * h * dh * 2 + d * k * dh * 2 + mlp + 2 * d
     if self.qkv_bias:
       per_layer += (h + 2 * k) * dh
     if self.qk_norm:
@@ -85,13 +129,16 @@ def from_dict(d: dict) -> ModelConfig:
   """Builds a ModelConfig from a plain dict (e.g. an ml_collections config's `model` field)."""
   d = dict(d)
   rs = d.pop("rope_scaling", None)
+  moe = d.pop("moe", None)
   names = {f.name for f in dataclasses.fields(ModelConfig)}
   unknown = sorted(set(d) - names)
   if unknown:
     raise ValueError(f"unknown model config field(s): {', '.join(unknown)}")
   if rs:
     rs = RopeScaling(**dict(rs))
-  return ModelConfig(rope_scaling=rs or None, **d)
+  if moe:
+    moe = MoEConfig(**dict(moe))
+  return ModelConfig(rope_scaling=rs or None, moe=moe or None, **d)
 
 
 PRESETS = {

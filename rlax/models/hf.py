@@ -46,7 +46,7 @@ class _Layout:
   The HF tensor, reshaped to `split` (each HF dim is `groups[i]` consecutive
   split dims), transposed by `perm`, is the rlax array.
   """
-  name: str  # with "{i}" for the layer index when stacked
+  name: str  # with "{i}" for the layer index when stacked, and "{e}" for the expert index
   split: tuple[int, ...]
   groups: tuple[int, ...]
   perm: tuple[int, ...]
@@ -99,6 +99,23 @@ def _layouts(cfg: ModelConfig) -> dict[str, Any]:
       "up": _Layout(p + "mlp.up_proj.weight", (F, D), (1, 1), (1, 0)),
       "down": _Layout(p + "mlp.down_proj.weight", (D, F), (1, 1), (1, 0)),
   }
+  m = cfg.moe
+  if m is not None:
+    for n in ("gate", "up", "down"):
+      del layers[n]
+    Fe, mix = m.expert_mlp_dim, cfg.arch == "mixtral"
+    mp = p + ("block_sparse_moe." if mix else "mlp.")
+    ex = lambda n, hf_n: mp + "experts.{e}." + (f"{hf_n}.weight" if mix else f"{n}_proj.weight")
+    layers.update(router=_Layout(mp + "gate.weight", (m.n_experts, D), (1, 1), (1, 0)),
+                  experts_gate=_Layout(ex("gate", "w1"), (Fe, D), (1, 1), (1, 0)),
+                  experts_up=_Layout(ex("up", "w3"), (Fe, D), (1, 1), (1, 0)),
+                  experts_down=_Layout(ex("down", "w2"), (D, Fe), (1, 1), (1, 0)))
+    if m.shared_mlp_dim:
+      Fs = m.shared_mlp_dim
+      layers.update(shared_gate=_Layout(p + "mlp.shared_expert.gate_proj.weight", (Fs, D), (1, 1), (1, 0)),
+                    shared_up=_Layout(p + "mlp.shared_expert.up_proj.weight", (Fs, D), (1, 1), (1, 0)),
+                    shared_down=_Layout(p + "mlp.shared_expert.down_proj.weight", (D, Fs), (1, 1), (1, 0)),
+                    shared_router=_Layout(p + "mlp.shared_expert_gate.weight", (1, D), (1, 1), (1, 0)))
   if cfg.qkv_bias:
     for n, heads in (("q", H), ("k", K), ("v", K)):
       layers[f"{n}_bias"] = _Layout(p + f"self_attn.{n}_proj.bias", (heads, Dh), (2,), (0, 1))
@@ -116,13 +133,19 @@ def _is_layout(x) -> bool:
   return isinstance(x, _Layout)
 
 
+def _n_experts(cfg: ModelConfig, lay: _Layout) -> int:
+  """How many experts `lay` stacks (its rlax array's axis after the layers), 0 when it is not per expert."""
+  return cfg.moe.n_experts if "{e}" in lay.name else 0
+
+
 def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   """Every HF tensor name the checkpoint must hold → its HF shape."""
   out = {}
   for path, lay in jax.tree.flatten_with_path(_layouts(cfg), is_leaf=_is_layout)[0]:
     stacked = path[0].key == "layers"
     for i in range(cfg.n_layers if stacked else 1):
-      out[lay.name.format(i=i)] = lay.hf_shape
+      for e in range(_n_experts(cfg, lay) or 1):
+        out[lay.name.format(i=i, e=e)] = lay.hf_shape
   return out
 
 
@@ -238,10 +261,17 @@ def load_checkpoint(path: str, mesh: Optional[Mesh] = None, dtype=None, rules=sh
       for k in kp:
         leaf, shard = leaf[k.key], shard[k.key]
 
-      def read_layer(i, idx):
-        name = lay.name.format(i=i)
+      n_experts = _n_experts(cfg, lay)
+
+      def read_one(i, e, idx):
+        name = lay.name.format(i=i, e=e)
         sl = handles[files[name]].get_slice(name)
         return lay.to_rlax(lambda hf_idx: sl[hf_idx], idx)
+
+      def read_layer(i, idx):
+        if not n_experts:
+          return read_one(i, 0, idx)
+        return np.stack([read_one(i, e, idx[1:]) for e in range(*idx[0].indices(n_experts))])
 
       def callback(index):
         if not stacked:
@@ -288,7 +318,8 @@ def save_checkpoint(params: transformer.Params, cfg: ModelConfig, path: str, *,
   entries = [("model.embed_tokens.weight", params["embed"], None, lays["embed"])]
   for i in range(cfg.n_layers):
     for k, lay in lays["layers"].items():
-      entries.append((lay.name.format(i=i), params["layers"][k], i, lay))
+      for e in range(_n_experts(cfg, lay)) if _n_experts(cfg, lay) else (None,):
+        entries.append((lay.name.format(i=i, e=e), params["layers"][k], i if e is None else (i, e), lay))
   entries.append(("model.norm.weight", params["final_norm"], None, lays["final_norm"]))
   if not cfg.tie_embeddings:
     entries.append(("lm_head.weight", params["lm_head"], None, lays["lm_head"]))
@@ -312,7 +343,8 @@ def save_checkpoint(params: transformer.Params, cfg: ModelConfig, path: str, *,
   for fname, shard in zip(names, shards):
     tensors = {}
     for name, leaf, layer, lay in shard:
-      x = leaf if layer is None else _layer_slice(leaf, layer)
+      x = leaf if layer is None else (_layer_slice(leaf, layer) if isinstance(layer, int) else
+                                      _layer_slice(_layer_slice(leaf, layer[0]), layer[1]))
       tensors[name] = lay.to_hf(np.asarray(jax.device_get(x)).astype(dtype))
       weight_map[name] = fname
       total += tensors[name].nbytes

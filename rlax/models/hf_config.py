@@ -1,4 +1,4 @@
-"""Hugging Face `config.json` ⇄ ModelConfig for Llama 3, Qwen2/2.5 and Qwen3.
+"""Hugging Face `config.json` ⇄ ModelConfig for Llama 3, Qwen2/2.5, Qwen3, Qwen2-MoE, Qwen3-MoE and Mixtral.
 
 Reads both the transformers<5 layout (`rope_theta` + `rope_scaling` at top level,
 `torch_dtype`) and the transformers 5 layout (`rope_parameters` holding theta,
@@ -12,9 +12,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rlax.models.config import ModelConfig, RopeScaling
+from rlax.models.config import ModelConfig, MoEConfig, RopeScaling
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+# (qkv_bias, qk_norm) each HF class computes
+_ATTENTION = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True), "mixtral": (False, False),
+              "qwen2_moe": (True, False), "qwen3_moe": (False, True)}
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -41,6 +46,28 @@ def _rope(d: dict) -> tuple[float, Optional[RopeScaling]]:
 def _refuse(d: dict, field: str, ok, what: str):
   if field in d and d[field] is not None and not ok(d[field]):
     raise ValueError(f"unsupported {what}: {field}={d[field]!r}")
+
+
+def _moe(hf: dict[str, Any]) -> Optional[MoEConfig]:
+  """The routed experts of a MoE config.json (every layer sparse), None for a dense model type."""
+  t = hf["model_type"]
+  if t not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    return None
+  n_layers = int(hf["num_hidden_layers"])
+  step, dense = int(hf.get("decoder_sparse_step") or 1), list(hf.get("mlp_only_layers") or [])
+  if dense or any((i + 1) % step for i in range(n_layers)):
+    raise ValueError(f"unsupported layer mix: mlp_only_layers={dense}, decoder_sparse_step={step} (rlax stacks "
+                     "layers of one kind; every layer must be sparse)")
+  for key in ("num_experts_per_tok",) + (() if t == "mixtral" else ("moe_intermediate_size",)):
+    if key not in hf:
+      raise ValueError(f"HF config for {t!r} is missing {key!r}")
+  n_experts = hf.get("num_local_experts") if t == "mixtral" else hf.get("num_experts", hf.get("num_local_experts"))
+  if n_experts is None:
+    raise ValueError(f"HF config for {t!r} is missing {'num_local_experts' if t == 'mixtral' else 'num_experts'!r}")
+  return MoEConfig(n_experts=int(n_experts), top_k=int(hf["num_experts_per_tok"]),
+                   expert_mlp_dim=int(hf["intermediate_size"] if t == "mixtral" else hf["moe_intermediate_size"]),
+                   norm_topk_prob=True if t == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+                   shared_mlp_dim=int(hf.get("shared_expert_intermediate_size") or 0) if t == "qwen2_moe" else 0)
 
 
 def config_from_hf(hf: dict[str, Any], dtype: Optional[str] = None) -> ModelConfig:
@@ -73,15 +100,15 @@ def config_from_hf(hf: dict[str, Any], dtype: Optional[str] = None) -> ModelConf
       n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
       n_kv_heads=int(hf.get("num_key_value_heads") or n_heads), head_dim=int(head_dim),
       mlp_dim=int(hf["intermediate_size"]), arch=model_type, rope_theta=theta, rope_scaling=scaling,
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=model_type == "qwen2",
-      qk_norm=model_type == "qwen3", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=_ATTENTION[model_type][0],
+      qk_norm=_ATTENTION[model_type][1], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       param_dtype=str(dtype), dtype=str(dtype),
-      max_position=int(hf.get("max_position_embeddings", 8192)))
+      max_position=int(hf.get("max_position_embeddings", 8192)), moe=_moe(hf))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   """HF `config.json` dict for `cfg`; the arch's HF class must compute what cfg computes."""
-  want = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True)}[cfg.arch]
+  want = _ATTENTION[cfg.arch]
   if (cfg.qkv_bias, cfg.qk_norm) != want:
     raise ValueError(f"arch={cfg.arch!r} with qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm} has no HF "
                      f"equivalent (HF {_ARCHITECTURES[cfg.arch]} has qkv_bias={want[0]}, qk_norm={want[1]})")
@@ -107,10 +134,26 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
       "torch_dtype": cfg.param_dtype,
       "use_cache": True,
   }
-  if cfg.arch != "qwen2":
+  if cfg.arch not in ("qwen2", "qwen2_moe"):
     out["attention_bias"] = False
   if cfg.arch == "llama":
     out["mlp_bias"] = False
-  else:
+  elif cfg.arch != "mixtral":
     out["use_sliding_window"] = False
+  m = cfg.moe
+  if m is not None:
+    out.update(num_experts_per_tok=m.top_k, output_router_logits=False)
+    if cfg.arch == "mixtral":
+      if not m.norm_topk_prob or m.shared_mlp_dim or m.expert_mlp_dim != cfg.mlp_dim:
+        raise ValueError("Mixtral renormalizes its top-k, has no shared expert, and its experts are "
+                         "intermediate_size wide: this moe config has no HF equivalent")
+      out.update(num_local_experts=m.n_experts, router_jitter_noise=0.0)
+    else:
+      if bool(m.shared_mlp_dim) != (cfg.arch == "qwen2_moe"):
+        raise ValueError(f"arch={cfg.arch!r} with shared_mlp_dim={m.shared_mlp_dim}: Qwen2-MoE has a shared "
+                         "expert, Qwen3-MoE has none")
+      out.update(num_experts=m.n_experts, moe_intermediate_size=m.expert_mlp_dim, norm_topk_prob=m.norm_topk_prob,
+                 decoder_sparse_step=1, mlp_only_layers=[])
+      if cfg.arch == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=m.shared_mlp_dim, qkv_bias=True)
   return out

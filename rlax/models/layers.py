@@ -10,19 +10,21 @@ the decode step uses). Training keeps them apart: concatenating weights whose
 head axes are sharded would reshard them every step.
 
 Shapes: B batch, T positions in, Tq = T - q_start positions queried, D d_model,
-H query heads, K KV heads, Dh head dim, F mlp.
+H query heads, K KV heads, Dh head dim, F mlp. The MLP is the second variation,
+`mlp`: dense SwiGLU, or routed experts (rlax.models.moe) for a MoE config.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from rlax.models import moe
 from rlax.models.config import ModelConfig
 from rlax.models.sharding import constrain
 
@@ -30,6 +32,8 @@ NEG = -1e30  # additive mask bias: exp underflows to exactly 0 in f32, and no in
 
 # attend(q [B, Tq, H, Dh], k [B, T, K, Dh], v [B, T, K, Dh]) -> [B, Tq, H, Dh]
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+# mlp(w, h [B, T, D]) -> [B, T, D]
+Mlp = Callable[[dict, jax.Array], jax.Array]
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -137,7 +141,8 @@ def fuse(cfg: ModelConfig, w: dict[str, Any]) -> dict[str, Any]:
   out = {name: a.astype(cfg.jnp_dtype) for name, a in w.items()
          if name not in ("q", "k", "v", "q_bias", "k_bias", "v_bias", "gate", "up")}
   out["qkv"] = jnp.concatenate([w[n].reshape(D, -1) for n in ("q", "k", "v")], axis=1).astype(cfg.jnp_dtype)
-  out["gate_up"] = jnp.concatenate([w["gate"], w["up"]], axis=1).astype(cfg.jnp_dtype)
+  if "gate" in w:  # a dense MLP (routed experts stay apart: each token reads only its own)
+    out["gate_up"] = jnp.concatenate([w["gate"], w["up"]], axis=1).astype(cfg.jnp_dtype)
   if cfg.qkv_bias:
     out["qkv_bias"] = jnp.concatenate([w[n].reshape(-1) for n in ("q_bias", "k_bias", "v_bias")]
                                       ).astype(cfg.jnp_dtype)
@@ -173,14 +178,30 @@ def _mlp_in(w, h):
   return _recomputed(lambda g, u: jax.nn.silu(g) * u)(g, u)
 
 
+def swiglu(w: dict[str, Any], h: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+  """The dense MLP: (silu(h @ gate) * (h @ up)) @ down."""
+  m = constrain(_mlp_in(w, h), ("batch", "act_seq", "act_mlp"))
+  return dense(m, w["down"])
+
+
+def default_mlp(cfg: ModelConfig) -> Mlp:
+  """The MLP a layer of `cfg` applies when the caller has no routes to replay or record: SwiGLU, or the routed
+  experts (rlax.models.moe) choosing their own."""
+  if cfg.moe is None:
+    return swiglu
+  return lambda w, h: moe.routed(cfg, w, h)[0]
+
+
 def block(cfg: ModelConfig, w: dict[str, Any], x: Float[Array, "B T D"], cos_sin: tuple[jax.Array, jax.Array],
-          attend: Attend, q_start: int = 0) -> Float[Array, "B Tq D"]:
-  """One pre-norm block: x + attention, then + SwiGLU MLP. cos_sin: `rope(positions, inv_freq)` of all T positions.
+          attend: Attend, q_start: int = 0, mlp: Optional[Mlp] = None) -> Float[Array, "B Tq D"]:
+  """One pre-norm block: x + attention, then + MLP. cos_sin: `rope(positions, inv_freq)` of all T positions.
 
   RoPE'd q (positions q_start..), k and v (all positions) go to `attend`, which
   returns the attention output; it may also write k, v into a cache and attend
   over that instead. q_start > 0: only positions q_start.. are queried and
-  carried on (their keys and values still come from every position).
+  carried on (their keys and values still come from every position). `mlp(w, h)`
+  is the MLP (default: `default_mlp(cfg)`); a MoE caller passes one that replays
+  or records the routes.
   """
   dt = cfg.jnp_dtype
   w = jax.tree.map(lambda a: a.astype(dt), w)
@@ -195,6 +216,5 @@ def block(cfg: ModelConfig, w: dict[str, Any], x: Float[Array, "B T D"], cos_sin
   x = x[:, q_start:] + dense(attend(q, k, v), w["o"], n_in=2)
   x = constrain(x, ("batch", "act_seq", "act_embed"))
   h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-  m = constrain(_mlp_in(w, h), ("batch", "act_seq", "act_mlp"))
-  x = x + dense(m, w["down"])
+  x = x + (mlp or default_mlp(cfg))(w, h)
   return constrain(x, ("batch", "act_seq", "act_embed"))

@@ -79,6 +79,10 @@ def _adapters_of(full: dict, lora: LoraConfig, rank_entry) -> dict:
   """A [lead, in..., rank] and B [lead, rank, out...] of each target, from the full layer tree's entries
   (shapes or logical axes), with `rank_entry` on the rank axis."""
   out = {}
+  missing = [t for t in lora.targets if t not in full]
+  if missing:  # routed experts have no gate/up/down of their own (rlax.models.moe)
+    raise ValueError(f"model.lora.targets: {', '.join(missing)} is not a weight of this model (on a mixture of "
+                     "experts LoRA adapts attention: targets='attention')")
   for t in lora.targets:
     lead, *dims = full[t]
     n = _IN_DIMS[t]

@@ -26,6 +26,8 @@ RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("heads", ("tensor",)),
     ("kv_heads", ("tensor",)),
     ("mlp", ("tensor",)),
+    ("experts", ()),
+    ("expert_mlp", ("tensor",)),
     ("head_dim", ()),
     ("layers", ()),
     ("norm", ()),

@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Llama 3 / Qwen2 / Qwen3): parameters, KV cache and the forward pass.
+"""Decoder-only transformer (Llama 3 / Qwen2 / Qwen3, dense or mixture-of-experts): parameters, KV cache and the forward pass.
 
 Parameters are one nested dict with a leading layer axis on every per-layer
 weight, so the same tree serves the NNX module (`rlax.models.nnx_model`), optax,
@@ -37,6 +37,15 @@ def param_axes(cfg: ModelConfig) -> Params:
       "up": ("layers", "embed", "mlp"),
       "down": ("layers", "mlp", "embed"),
   }
+  if cfg.moe is not None:
+    for n in ("gate", "up", "down"):
+      del layers[n]
+    layers.update(router=("layers", "embed", None), experts_gate=("layers", "experts", "embed", "expert_mlp"),
+                  experts_up=("layers", "experts", "embed", "expert_mlp"),
+                  experts_down=("layers", "experts", "expert_mlp", "embed"))
+    if cfg.moe.shared_mlp_dim:
+      layers.update(shared_gate=("layers", "embed", "mlp"), shared_up=("layers", "embed", "mlp"),
+                    shared_down=("layers", "mlp", "embed"), shared_router=("layers", "embed", None))
   if cfg.qkv_bias:
     layers.update(q_bias=("layers", "heads", "head_dim"), k_bias=("layers", "kv_heads", "head_dim"),
                   v_bias=("layers", "kv_heads", "head_dim"))
@@ -55,6 +64,15 @@ def param_shapes(cfg: ModelConfig) -> Params:
   layers = {"attn_norm": (L, D), "q": (L, D, H, Dh), "k": (L, D, K, Dh), "v": (L, D, K, Dh),
             "o": (L, H, Dh, D), "mlp_norm": (L, D), "gate": (L, D, F), "up": (L, D, F),
             "down": (L, F, D)}
+  m = cfg.moe
+  if m is not None:
+    for n in ("gate", "up", "down"):
+      del layers[n]
+    E, Fe, Fs = m.n_experts, m.expert_mlp_dim, m.shared_mlp_dim
+    layers.update(router=(L, D, E), experts_gate=(L, E, D, Fe), experts_up=(L, E, D, Fe),
+                  experts_down=(L, E, Fe, D))
+    if Fs:
+      layers.update(shared_gate=(L, D, Fs), shared_up=(L, D, Fs), shared_down=(L, Fs, D), shared_router=(L, D, 1))
   if cfg.qkv_bias:
     layers.update(q_bias=(L, H, Dh), k_bias=(L, K, Dh), v_bias=(L, K, Dh))
   if cfg.qk_norm:

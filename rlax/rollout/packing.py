@@ -150,15 +150,9 @@ def row_bucket(n: int, multiple: int = 1) -> int:
   return units * multiple
 
 
-def _layer_weights(cfg) -> int:
-  """Weights one transformer layer multiplies each token by (q, k, v, o, gate, up, down)."""
-  return (cfg.d_model * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * cfg.d_model
-          + 3 * cfg.d_model * cfg.mlp_dim)
-
-
 def row_cost(cfg, rows: int, row_len: int) -> float:
   """Relative trainer FLOPs of `rows` packed rows of `row_len` tokens: matmuls + attention over the row."""
-  return rows * row_len * (2.0 * _layer_weights(cfg) + 4.0 * row_len * cfg.n_heads * cfg.head_dim)
+  return rows * row_len * (2.0 * cfg.layer_matmul_weights() + 4.0 * row_len * cfg.n_heads * cfg.head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,7 +281,7 @@ def auto_row_lens(cfg, prompt_len: int, new_tokens: int, group: int, share_promp
   if not share_prompts:
     return (seq,)
   whole = -(-(prompt_len + group * new_tokens) // 128) * 128
-  cap = _layer_weights(cfg) // (8 * cfg.n_heads * cfg.head_dim) // 128 * 128
+  cap = cfg.layer_matmul_weights() // (8 * cfg.n_heads * cfg.head_dim) // 128 * 128
   return (max(seq, min(whole, cap)),)
 
 

@@ -1,0 +1,93 @@
+"""Routed experts: the MLP of a mixture-of-experts layer (Qwen3-MoE, Qwen2-MoE, Mixtral), dropless.
+
+A softmax router (f32) scores every expert for every token; each token goes to its top-k experts, weighted by
+their probabilities (renormalized over the k when `norm_topk_prob`). The token-expert pairs are sorted by
+expert, so each expert's tokens are one contiguous group, and the three expert matmuls are grouped matmuls over
+those groups (`jax.lax.ragged_dot`; XLA lowers it per backend, Mosaic's grouped matmul on TPU): no capacity
+factor, no dropped token, no padding to the busiest expert. Qwen2-MoE adds a shared expert, gated per token by
+a sigmoid. `routed` is the MLP that `layers.block` applies for a MoE config.
+
+Shapes: N tokens, D d_model, E experts, k experts per token, Fe expert MLP, Fs shared expert MLP.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from rlax.models.config import ModelConfig, MoEConfig
+
+
+def route(cfg: ModelConfig, router: jax.Array, x: Float[Array, "N D"],
+          experts: Optional[Int[Array, "N k"]] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(router logits [N, E] f32, experts [N, k] int32, weights [N, k] f32).
+
+  `experts` given (routing replay): those experts, weighted by this router's own probabilities over them, so
+  the router still gets gradients; otherwise the top-k of the probabilities.
+  """
+  m = cfg.moe
+  logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
+  probs = jax.nn.softmax(logits, axis=-1)
+  if experts is None:
+    weights, experts = jax.lax.top_k(probs, m.top_k)
+  else:
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
+  if m.norm_topk_prob:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return logits, experts.astype(jnp.int32), weights
+
+
+def _swiglu(x, gate, up, down, matmul):
+  g, u = matmul(x, gate), matmul(x, up)
+  return matmul(jax.nn.silu(g) * u, down)
+
+
+def expert_mlp(w: dict[str, Any], x: Float[Array, "N D"], experts: Int[Array, "N k"],
+               weights: Float[Array, "N k"]) -> Float[Array, "N D"]:
+  """Σ_j weights[:, j] · expert_{experts[:, j]}(x), as grouped matmuls over the pairs sorted by expert."""
+  n, k = experts.shape
+  n_experts = w["experts_gate"].shape[0]
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  token = order // k
+  sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+  grouped = lambda a, b: jax.lax.ragged_dot(a, b, sizes)
+  y = _swiglu(x[token], w["experts_gate"], w["experts_up"], w["experts_down"], grouped)
+  y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
+  return jnp.zeros_like(x).at[token].add(y)
+
+
+def routed(cfg: ModelConfig, w: dict[str, Any], h: Float[Array, "B T D"],
+           experts: Optional[Int[Array, "B T k"]] = None) -> tuple[Float[Array, "B T D"], jax.Array, jax.Array]:
+  """The MoE MLP of one layer → (output [B, T, D], router logits [B, T, E] f32, experts [B, T, k])."""
+  lead, d = h.shape[:-1], h.shape[-1]
+  x = h.reshape(-1, d)
+  logits, chosen, weights = route(cfg, w["router"], x, None if experts is None else experts.reshape(x.shape[0], -1))
+  out = expert_mlp(w, x, chosen, weights)
+  if cfg.moe.shared_mlp_dim:
+    shared = _swiglu(x, w["shared_gate"], w["shared_up"], w["shared_down"], jnp.dot)
+    out = out + jax.nn.sigmoid(jnp.dot(x, w["shared_router"])).astype(x.dtype) * shared
+  return (out.reshape(*lead, d), logits.reshape(*lead, -1), chosen.reshape(*lead, -1))
+
+
+def upcycle(cfg: ModelConfig, params: dict[str, Any], *, n_experts: int, top_k: int, key: jax.Array,
+            router_std: float = 0.02) -> tuple[ModelConfig, dict[str, Any]]:
+  """Sparse upcycling: a dense Llama (→ Mixtral) or Qwen3 (→ Qwen3-MoE) whose every MLP becomes `n_experts`
+  copies of itself behind a fresh router (N(0, router_std²)). The top-k weights are renormalized, so they sum
+  to 1 over identical experts: the upcycled model computes the dense model's logits until training makes the
+  experts differ."""
+  arch = {"llama": "mixtral", "qwen3": "qwen3_moe"}.get(cfg.arch)
+  if cfg.moe is not None or arch is None:
+    raise ValueError(f"upcycle: a dense llama or qwen3 model is needed, got arch={cfg.arch!r}"
+                     f"{' with experts' if cfg.moe is not None else ''}")
+  new = cfg.replace(arch=arch, moe=MoEConfig(n_experts=n_experts, top_k=top_k, expert_mlp_dim=cfg.mlp_dim))
+  layers = dict(params["layers"])
+  copies = lambda w: jnp.repeat(w[:, None], n_experts, axis=1)
+  gate, up, down = layers.pop("gate"), layers.pop("up"), layers.pop("down")
+  router = router_std * jax.random.normal(key, (cfg.n_layers, cfg.d_model, n_experts), jnp.float32)
+  layers.update(router=router.astype(gate.dtype), experts_gate=copies(gate), experts_up=copies(up),
+                experts_down=copies(down))
+  return new, {**params, "layers": layers}
