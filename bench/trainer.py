@@ -63,8 +63,8 @@ def step_flops(cfg: M.ModelConfig, batch: int, seq: int, prompt_len: int = 0) ->
   With prompt_len P the step computes the last layer's queries, output projection and MLP, and the
   logits, only from position s = P-1 on; the count follows what is computed.
   """
-  d, h, k, dh, f, v, l = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size,
-                          cfg.n_layers)
+  d, h, k, dh, f, v, l = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.active_mlp_dim,
+                          cfg.vocab_size, cfg.n_layers)
   s = max(prompt_len - 1, 0)
   q_rows = seq - s
   layer = lambda rows: rows * 2 * (2 * d * h * dh + 2 * d * k * dh + 3 * d * f) + 4 * rows * seq * h * dh

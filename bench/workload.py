@@ -65,10 +65,8 @@ def median_time(fn, reps: int):
 
 
 def matmul_params(cfg) -> int:
-  """Weights used in matmuls per token: q, k, v, o, gate, up, down of every layer + the lm head."""
-  d, h, k, dh, f, v, l = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size,
-                          cfg.n_layers)
-  return l * (d * (h + 2 * k) * dh + h * dh * d + 3 * d * f) + d * v
+  """Weights used in matmuls per token: every layer's (ModelConfig.layer_matmul_weights) + the lm head."""
+  return cfg.n_layers * cfg.layer_matmul_weights() + cfg.d_model * cfg.vocab_size
 
 
 def w4_limits(n: int, seed: int = 0):

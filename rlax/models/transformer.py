@@ -1,4 +1,5 @@
-"""Decoder-only transformer (Llama 3 / Qwen2 / Qwen3, dense or mixture-of-experts): parameters, KV cache and the forward pass.
+"""Decoder-only transformer (Llama 3 / Qwen2 / Qwen3, dense or mixture-of-experts): parameters, KV cache
+and the forward pass.
 
 Parameters are one nested dict with a leading layer axis on every per-layer
 weight, so the same tree serves the NNX module (`rlax.models.nnx_model`), optax,
