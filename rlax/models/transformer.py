@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from rlax.models.config import ModelConfig
+from rlax.models import moe
 from rlax.models.layers import attention, block, rms_norm, rope, rope_inv_freq
 from rlax.models.sharding import constrain
 
@@ -162,7 +163,8 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: Int[Array, "B T"], *
                   positions: Optional[Int[Array, "B T"]] = None,
                   input_mask: Optional[Bool[Array, "B T"]] = None,
                   cache: Optional[KVCache] = None, start: int = 0,
-                  segment_ids: Optional[Int[Array, "B T"]] = None, parents: Optional[Int[Array, "B T"]] = None
+                  segment_ids: Optional[Int[Array, "B T"]] = None, parents: Optional[Int[Array, "B T"]] = None,
+                  routes: Optional[Int[Array, "B T L k"]] = None
                   ) -> tuple[Float[Array, "B T D"], Optional[KVCache]]:
   """Final-normed hidden states, and the updated cache when one is given.
 
@@ -173,10 +175,14 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: Int[Array, "B T"], *
   valid slot up to their own. start > 0 (no cache): only positions start.. are
   returned ([B, T-start, D]); the last layer then skips the query, output and
   MLP work of the earlier positions, which only serve as its keys and values.
+  `routes` (a MoE model, no cache): token t goes to experts routes[b, t, l] in layer l (routing replay), its
+  weights from this forward's own router over them (rlax.models.moe.route).
   """
   B, T = tokens.shape
   if not 0 <= start < T or (start and cache is not None):
     raise ValueError(f"hidden_states: start={start} must be in [0, {T}) and 0 with a cache")
+  if routes is not None and (cfg.moe is None or cache is not None):
+    raise ValueError("hidden_states: routes replay a MoE model's experts, in a forward without a cache")
   if input_mask is None:
     input_mask = jnp.ones((B, T), bool)
   if positions is None:
@@ -198,7 +204,10 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: Int[Array, "B T"], *
 
     def body(x, lp, extra, l, q_start=0):
       attend = lambda q, k, v: attention(q, k, v, mask[:, q_start:])
-      return block(cfg, lp, x, cos_sin, attend, q_start), extra
+      mlp = None
+      if routes is not None:
+        mlp = lambda w, h: moe.routed(cfg, w, h, experts=jnp.take(routes[:, q_start:], l, axis=2))[0]
+      return block(cfg, lp, x, cos_sin, attend, q_start, mlp=mlp), extra
 
     last = functools.partial(body, q_start=start) if start else None
     x, _ = _run_layers(cfg, params, x, body, (), last)

@@ -84,7 +84,7 @@ def prefill(params, prompt, n_prompt, *, cfg: models.ModelConfig):
   """Distinct prompts [Q, P] (right-padded, n_prompt [Q] tokens each) → (keys, values [L, Q, P, K, Dh], logits
   after the last prompt token [Q, V])."""
   zero = jnp.zeros_like(n_prompt)
-  logits, k, v = step_lib.forward(params, cfg, prompt, zero, n_prompt)
+  logits, k, v, _ = step_lib.forward(params, cfg, prompt, zero, n_prompt)
   return k, v, logits
 
 
@@ -153,7 +153,7 @@ def extend(params, st: SlotState, slot_ids, append, n_append, limits, stop_ids, 
   start = n_prompt + t - 1  # index of the row's last token, not yet cached
   feed = jnp.concatenate([st.last[sid][:, None], append[:, :-1]], axis=1)
   past = layout.past(st.cache, sid, n_prompt, start)
-  _, k, v = step_lib.forward(params, cfg, feed, start, n_append, past)
+  _, k, v, _ = step_lib.forward(params, cfg, feed, start, n_append, past)
   cache = layout.write(st.cache, jnp.where(ok, slot_ids, S), k, v, start, n_append, n_prompt)
   M = append.shape[1]
   rows = jnp.where(ok[:, None], sid[:, None], S)
@@ -182,7 +182,7 @@ def recompute(params, st: SlotState, *, cfg: models.ModelConfig, layout) -> Slot
                   jnp.take_along_axis(st.tokens, jnp.clip(i - n, 0, N - 1), axis=1))
   count = jnp.where(st.t > 0, st.n_prompt + st.t - 1, 0)
   zero = jnp.zeros((S,), jnp.int32)
-  _, k, v = step_lib.forward(params, cfg, seq, zero, count)
+  _, k, v, _ = step_lib.forward(params, cfg, seq, zero, count)
   return st.replace(cache=layout.write(st.cache, jnp.arange(S), k, v, zero, count, st.n_prompt))
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from rlax import models
-from rlax.models import layers
+from rlax.models import layers, moe
 
 
 def _layers(cfg: models.ModelConfig, lay, x, carry, body, scan: bool):
@@ -43,11 +43,13 @@ def _layers(cfg: models.ModelConfig, lay, x, carry, body, scan: bool):
 
 def forward(params: models.Params, cfg: models.ModelConfig, tokens: Int[Array, "A T"], start: Int[Array, "A"],
             count: Int[Array, "A"], past: Optional[tuple] = None
-            ) -> tuple[Float[Array, "A V"], Float[Array, "L A T K Dh"], Float[Array, "L A T K Dh"]]:
+            ) -> tuple[Float[Array, "A V"], Float[Array, "L A T K Dh"], Float[Array, "L A T K Dh"],
+                       Optional[Int[Array, "L A T k"]]]:
   """Token j < count[a] of row a sits at index start[a] + j and attends over the valid past entries and the
   row's new tokens up to itself. past: (k, v [L, A, Tp, K, Dh], valid [A, Tp]) or None.
 
-  Returns the f32 logits after token count[a] - 1 and the new tokens' keys / values (after RoPE).
+  Returns the f32 logits after token count[a] - 1, the new tokens' keys / values (after RoPE), and for a MoE
+  model the experts each new token went to in each layer (what the trainer replays), else None.
   """
   A, T = tokens.shape
   dt = cfg.jnp_dtype
@@ -60,7 +62,7 @@ def forward(params: models.Params, cfg: models.ModelConfig, tokens: Int[Array, "
   x = models.constrain(jnp.take(params["embed"], tokens, axis=0).astype(dt), ("batch", "act_seq", "act_embed"))
 
   def body(x, w, carry, l):
-    kv = []
+    kv = []  # this layer's new keys and values, then (MoE) its experts
 
     def attend(q, k, v):
       kv.extend([k, v])
@@ -70,13 +72,25 @@ def forward(params: models.Params, cfg: models.ModelConfig, tokens: Int[Array, "
         k, v = jnp.concatenate([pk, k], axis=1), jnp.concatenate([pv, v], axis=1)
       return layers.attention(q, k, v, mask)
 
-    x = layers.block(cfg, w, x, cos_sin, attend)
-    return x, carry, (kv[0], kv[1])
+    x = layers.block(cfg, w, x, cos_sin, attend, mlp=_recording_mlp(cfg, kv))
+    return x, carry, tuple(kv) + (None,) * (3 - len(kv))
 
-  x, _, (ks, vs) = _layers(cfg, params["layers"], x, (), body, cfg.scan_layers and past is None)
+  x, _, (ks, vs, routes) = _layers(cfg, params["layers"], x, (), body, cfg.scan_layers and past is None)
   last = jnp.take_along_axis(x, jnp.clip(count - 1, 0, T - 1)[:, None, None], axis=1)
   h = layers.rms_norm(last, params["final_norm"], cfg.norm_eps)
-  return models.logits_from_hidden(params, cfg, h)[:, 0], ks, vs
+  return models.logits_from_hidden(params, cfg, h)[:, 0], ks, vs, routes
+
+
+def _recording_mlp(cfg: models.ModelConfig, into: list):
+  """The layer's MLP, appending the experts it chose to `into` (a MoE model); None: the block's default."""
+  if cfg.moe is None:
+    return None
+
+  def mlp(w, h):
+    out, _, chosen = moe.routed(cfg, w, h)
+    into.append(chosen)
+    return out
+  return mlp
 
 
 def decode_step(fused: dict, cfg: models.ModelConfig, layout, cache, tok: Int[Array, "S"], pos: Int[Array, "S"],

@@ -159,3 +159,44 @@ def test_upcycled_model_equals_the_dense_one(arch):
                              atol=2e-5)
   with pytest.raises(ValueError, match="dense llama or qwen3"):
     moe.upcycle(cfg, up, n_experts=2, top_k=1, key=jax.random.key(0))
+
+
+def test_trainer_replays_the_routes_the_sampler_recorded():
+  """The sampler's prefill records each token's experts per layer; the trainer's forward given those routes
+  computes the same logits as routing freely (same numerics), other routes give other logits, and the routes
+  reach only a MoE forward without a cache."""
+  from rlax.sampler import step
+  cfg = EXPORT_CFGS["qwen3_moe"]
+  params = U.scaled_params(cfg, seed=5)
+  tokens = jnp.asarray(U.random_tokens(batch=2, length=10, seed=3))
+  n = jnp.full((2,), 10, jnp.int32)
+  _, _, _, routes = step.forward(params, cfg, tokens, jnp.zeros_like(n), n)
+  assert routes.shape == (cfg.n_layers, 2, 10, 2) and routes.dtype == jnp.int32
+  routes = jnp.moveaxis(routes, 0, 2)  # [B, T, L, k]
+  free, _ = M.forward(params, cfg, tokens)
+  replayed, _ = M.forward(params, cfg, tokens, routes=routes)
+  np.testing.assert_allclose(np.asarray(replayed), np.asarray(free), atol=1e-5)
+  other, _ = M.forward(params, cfg, tokens, routes=(routes + 1) % cfg.moe.n_experts)
+  assert np.abs(np.asarray(other) - np.asarray(free)).max() > 1e-2
+  scanned = cfg.replace(scan_layers=True)
+  np.testing.assert_allclose(np.asarray(M.forward(params, scanned, tokens, routes=routes)[0]), np.asarray(free),
+                             atol=1e-5)
+  _, _, _, dense_routes = step.forward(U.scaled_params(EXPORT_CFGS["qwen3_moe"].replace(
+      arch="qwen3", moe=None)), cfg.replace(arch="qwen3", moe=None), tokens, jnp.zeros_like(n), n)
+  assert dense_routes is None
+  with pytest.raises(ValueError, match="routes replay a MoE model"):
+    M.forward(params, cfg.replace(arch="qwen3", moe=None), tokens, routes=routes)
+
+
+def test_replayed_routes_with_a_late_start():
+  """start > 0 (the log-prob forward skips the last layer's early queries): the routes are cut the same way."""
+  cfg = EXPORT_CFGS["mixtral"]
+  params = U.scaled_params(cfg, seed=6)
+  tokens = jnp.asarray(U.random_tokens(batch=2, length=9, seed=4))
+  from rlax.sampler import step
+  n = jnp.full((2,), 9, jnp.int32)
+  routes = jnp.moveaxis(step.forward(params, cfg, tokens, jnp.zeros_like(n), n)[3], 0, 2)
+  free, _ = M.hidden_states(params, cfg, tokens, start=4)
+  replayed, _ = M.hidden_states(params, cfg, tokens, start=4, routes=routes)
+  assert free.shape == (2, 5, cfg.d_model)
+  np.testing.assert_allclose(np.asarray(replayed), np.asarray(free), atol=1e-5)
