@@ -4,8 +4,9 @@ densely for every token, forward and forward+backward, in the same run.
     python bench/moe.py                                  # 8 experts, top-2, d 576, expert MLP 1536, 2048 tokens
     python bench/moe.py --experts=64 --top_k=8 --expert_mlp=256
 
-`grouped`: the router's top-k, tokens sorted by expert, three `ragged_dot`s, combined by the routing weights
-(what a MoE policy runs). `dense`: each expert applied to all N tokens, combined with the same weights (zero
+`grouped`: the router's top-k, tokens sorted by expert, three grouped matmuls (`moe.grouped_matmul`: blocks of
+one expert off TPU), combined by the routing weights (what a MoE policy runs). `ragged_dot`: the same with
+`jax.lax.ragged_dot` (what TPU runs; XLA:CPU computes every group against every row). `dense`: each expert applied to all N tokens, combined with the same weights (zero
 outside a token's top-k); the same values at E/k times the FLOPs. Each is reported as FLOP/s counting active
 parameters only (2 x 3 x D x Fe x k per token forward, x3 with the backward), and as a share of this run's
 f32 matmul rate (`workload.matmul_flops_per_s`). Medians of --reps after a warm-up. The last line is JSON.
@@ -52,7 +53,8 @@ def main(_):
   x = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
   _, experts, weights = jax.jit(lambda x: moe.route(cfg, w["router"], x))(x)
 
-  ways = {"grouped": moe.expert_mlp, "dense": _dense_all}
+  ways = {"grouped": moe.expert_mlp, "dense": _dense_all,
+          "ragged_dot": lambda w, x, e, g: moe.expert_mlp(w, x, e, g, matmul=jax.lax.ragged_dot)}
   fwd = {k: jax.jit(f) for k, f in ways.items()}
   bwd = {k: jax.jit(jax.grad(lambda w, x, f=f: jnp.sum(f(w, x, experts, weights) ** 2), argnums=(0, 1)))
          for k, f in ways.items()}
@@ -69,7 +71,8 @@ def main(_):
       out[f"{k}_{phase}_active_flops_per_s"] = round(flops / s, 1)
       out[f"{k}_{phase}_share_of_matmul"] = round(flops / s / peak, 4)
   for phase in ("fwd", "fwd_bwd"):
-    out[f"grouped_speedup_{phase}"] = round(out[f"dense_{phase}_s"] / out[f"grouped_{phase}_s"], 2)
+    for k in ("dense", "ragged_dot"):
+      out[f"grouped_vs_{k}_{phase}"] = round(out[f"{k}_{phase}_s"] / out[f"grouped_{phase}_s"], 2)
   print(json.dumps(out))
 
 

@@ -3,7 +3,7 @@
 A softmax router (f32) scores every expert for every token; each token goes to its top-k experts, weighted by
 their probabilities (renormalized over the k when `norm_topk_prob`). The token-expert pairs are sorted by
 expert, so each expert's tokens are one contiguous group, and the three expert matmuls are grouped matmuls over
-those groups (`jax.lax.ragged_dot`; XLA lowers it per backend, Mosaic's grouped matmul on TPU): no capacity
+those groups (`grouped_matmul`: `jax.lax.ragged_dot` on TPU, blocks of one expert elsewhere): no capacity
 factor, no dropped token, no padding to the busiest expert. Qwen2-MoE adds a shared expert, gated per token by
 a sigmoid. `routed` is the MLP that `layers.block` applies for a MoE config.
 
@@ -45,16 +45,47 @@ def _swiglu(x, gate, up, down, matmul):
   return matmul(jax.nn.silu(g) * u, down)
 
 
+def _blocks(x: Float[Array, "M D"], w: Float[Array, "E D F"], sizes: Int[Array, "E"]) -> Float[Array, "M F"]:
+  """ragged_dot's result, computed in blocks of rows that belong to one group each: every group padded to a
+  multiple of the block, and each block multiplied by its group's weights (at most E - 1 blocks of padding)."""
+  m, d = x.shape
+  e = w.shape[0]
+  block = 8  # about a group's mean size (decode steps route few rows), at most 128 rows
+  while block < 128 and block * e < m:
+    block *= 2
+  n_blocks = -(-(m + e * (block - 1)) // block)
+  padded = -(-sizes // block) * block
+  ends_p, ends = jnp.cumsum(padded), jnp.cumsum(sizes)
+  rows = jnp.arange(m)
+  group = jnp.searchsorted(ends, rows, side="right")
+  at = (ends_p - padded)[group] + rows - (ends - sizes)[group]
+  xb = jnp.zeros((n_blocks * block, d), x.dtype).at[at].set(x).reshape(n_blocks, block, d)
+  block_group = jnp.minimum(jnp.searchsorted(ends_p, jnp.arange(n_blocks) * block, side="right"), e - 1)
+  y = jnp.einsum("nbd,ndf->nbf", xb, w[block_group])
+  return y.reshape(n_blocks * block, -1)[at]
+
+
+def grouped_matmul(x: Float[Array, "M D"], w: Float[Array, "E D F"], sizes: Int[Array, "E"]) -> Float[Array, "M F"]:
+  """Rows sorted by group (sizes[g] consecutive rows each) times their group's weights. On TPU
+  `jax.lax.ragged_dot` lowers to a grouped matmul kernel; XLA:CPU lowers it as every group against every row
+  (E times the FLOPs), so elsewhere the rows are multiplied in blocks of one group each: on this CPU at 8
+  experts, 4096 rows, 576 x 1536, 2.4x faster than ragged_dot forward and 3.3x with the backward."""
+  if jax.default_backend() == "tpu":
+    return jax.lax.ragged_dot(x, w, sizes)
+  return _blocks(x, w, sizes)
+
+
 def expert_mlp(w: dict[str, Any], x: Float[Array, "N D"], experts: Int[Array, "N k"],
-               weights: Float[Array, "N k"]) -> Float[Array, "N D"]:
-  """Σ_j weights[:, j] · expert_{experts[:, j]}(x), as grouped matmuls over the pairs sorted by expert."""
+               weights: Float[Array, "N k"], matmul=None) -> Float[Array, "N D"]:
+  """Σ_j weights[:, j] · expert_{experts[:, j]}(x), as grouped matmuls over the pairs sorted by expert.
+  matmul(x, w, sizes): the grouped matmul (default `grouped_matmul`; bench/moe.py compares ragged_dot)."""
   n, k = experts.shape
   n_experts = w["experts_gate"].shape[0]
   flat = experts.reshape(-1)
   order = jnp.argsort(flat, stable=True)
   token = order // k
   sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
-  grouped = lambda a, b: jax.lax.ragged_dot(a, b, sizes)
+  grouped = lambda a, b: (matmul or grouped_matmul)(a, b, sizes)
   y = _swiglu(x[token], w["experts_gate"], w["experts_up"], w["experts_down"], grouped)
   y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
   return jnp.zeros_like(x).at[token].add(y)

@@ -200,3 +200,18 @@ def test_replayed_routes_with_a_late_start():
   replayed, _ = M.hidden_states(params, cfg, tokens, start=4, routes=routes)
   assert free.shape == (2, 5, cfg.d_model)
   np.testing.assert_allclose(np.asarray(replayed), np.asarray(free), atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,sizes", [(40, [0, 17, 3, 20]), (6, [1, 0, 0, 5]), (300, [299, 0, 1, 0])])
+def test_grouped_matmul_equals_ragged_dot(rows, sizes):
+  """The blocked grouped matmul (CPU/GPU) == jax.lax.ragged_dot, values and both gradients, with empty groups,
+  one-row groups and one group holding almost every row."""
+  rng = np.random.default_rng(rows)
+  x = jnp.asarray(rng.standard_normal((rows, 6)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((4, 6, 5)), jnp.float32)
+  s = jnp.asarray(sizes, jnp.int32)
+  np.testing.assert_allclose(np.asarray(moe.grouped_matmul(x, w, s)), np.asarray(jax.lax.ragged_dot(x, w, s)),
+                             atol=1e-5)
+  loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w, s)))
+  for a, b in zip(jax.grad(loss(moe.grouped_matmul), (0, 1))(x, w), jax.grad(loss(jax.lax.ragged_dot), (0, 1))(x, w)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
