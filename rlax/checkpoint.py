@@ -80,14 +80,24 @@ def abstract_like(tree: Any) -> Any:
                       jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def _release_orphaned_waiters() -> None:
-  """A save that failed before its directory existed leaves orbax threads waiting for that signal, 300 s each,
-  and they are not daemon threads: the process hung 5 minutes at exit. Setting the signals they wait for lets
-  them run (and fail) at once. Orbax internals, so a missing name only skips this."""
+def _signaling_threads() -> set:
+  """Orbax's live threads that wait for a save's signals (orbax internals: none when the names moved)."""
   try:
     from orbax.checkpoint._src.futures import future as orbax_future  # pylint: disable=g-import-not-at-top
-    for t in threading.enumerate():
-      if isinstance(t, orbax_future._SignalingThread) and t.is_alive():  # pylint: disable=protected-access
+  except ImportError:
+    return set()
+  kind = getattr(orbax_future, "_SignalingThread", None)
+  return {t for t in threading.enumerate() if kind is not None and isinstance(t, kind) and t.is_alive()}
+
+
+def _release_orphaned_waiters(threads: set) -> None:
+  """A save that failed before its directory existed leaves orbax threads waiting for that signal, 300 s each,
+  and they are not daemon threads: the process hung 5 minutes at exit. Setting the signals that `threads` (the
+  failed save's own) wait for lets them run, and fail, at once."""
+  try:
+    from orbax.checkpoint._src.futures import future as orbax_future  # pylint: disable=g-import-not-at-top
+    for t in threads:
+      if t.is_alive():
         orbax_future.set_signals(t._receive_signals, operation_id=t._operation_id)  # pylint: disable=protected-access
   except (ImportError, AttributeError) as e:
     logging.vlog(1, "checkpoint: cannot release orbax's waiting threads: %s", e)
@@ -128,6 +138,7 @@ class Checkpointer:
         item_handlers={"state": state_handler, "meta": ocp.JsonCheckpointHandler()})
     self._last_time = time.time()
     self._last_step = self._mgr.latest_step()
+    self._threads_before = _signaling_threads()  # orbax's waiting threads before a save that may be pending
     self._single_writer = jax.process_count() == 1 or (processes is not None and len(processes) == 1)
 
   @property
@@ -162,12 +173,14 @@ class Checkpointer:
     meta_json = to_json(dict(meta or {}))
     json.dumps(meta_json)  # fail here, not in the background thread
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta_json))
+    before = _signaling_threads()
     try:  # orbax first waits for the previous save, so its failure surfaces here too
       self._mgr.save(step, args=args, force=True)
     except Exception as e:
-      _release_orphaned_waiters()
+      _release_orphaned_waiters(_signaling_threads() - self._threads_before)
       raise CheckpointError(f"checkpoint save of step {step} to {self.directory} failed: {short_error(e)}"
                             ) from None
+    self._threads_before = before  # the previous save is done: only this one may leave threads behind
     self._last_step, self._last_time = step, time.time() if now is None else now
     logging.vlog(1, "checkpoint: started async save of step %d to %s", step, self.directory)
     return True
@@ -241,7 +254,7 @@ class Checkpointer:
     try:
       self._mgr.wait_until_finished()
     except Exception as e:
-      _release_orphaned_waiters()
+      _release_orphaned_waiters(_signaling_threads() - self._threads_before)
       raise CheckpointError(f"checkpoint save of step {self._last_step} to {self.directory} failed: "
                             f"{short_error(e)}") from None
 

@@ -272,7 +272,7 @@ def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,
   # streams chunks of it, and the chunk replaces the step's transients (gradients, activations, logits) rather
   # than adding to them.
   state = run_lib.host_copy_bytes(platform, (trainer["params"] + trainer["opt_state"] + trainer["critic"])
-                                  * trainer_devices)
+                                  * trainer_devices, run_lib.largest_array_bytes(run.model))
   blocks = run_lib.checkpoint_blocks(platform)
   if blocks:
     state = max(0, state - (trainer["grads"] + trainer["activations"] + trainer["logits"]) * trainer_devices)

@@ -284,3 +284,23 @@ def test_blocking_save_streams_the_state_in_chunks(tmp_path):
     _, got, meta = c.restore_latest(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                                 sharding=x.sharding), state))
   assert meta["step"] == 1 and _equal(got, state)
+
+
+def test_chunk_is_at_least_the_largest_array(tmp_path):
+  """Orbax writes an array whole and refuses one larger than its chunk: the run's chunk covers its largest array
+  (SmolLM2-360M's stacked MLP weight is 315 MB against the 0.25 GB default), and such a state saves."""
+  from rlax import run as run_lib
+  big = M.ModelConfig(vocab_size=64, d_model=960, n_layers=32, n_heads=2, n_kv_heads=1, head_dim=8, mlp_dim=2560)
+  largest = run_lib.largest_array_bytes(big)
+  assert largest == 4 * 32 * 960 * 2560
+  gb = run_lib.save_concurrent_gb("cpu", largest)
+  assert gb * 1e9 >= largest and run_lib.save_concurrent_gb("cpu", 1000) == 0.25
+  assert run_lib.save_concurrent_gb("tpu", largest) is None
+  assert run_lib.host_copy_bytes("cpu", 10 * largest, largest) == int(gb * 1e9)
+  state = {"w": jnp.ones((3_000_000,), jnp.float32)}  # 12 MB against a 0.004 GB chunk: refused
+  with ck.Checkpointer(tmp_path / "small", async_save=False, concurrent_gb=0.004) as c:
+    with pytest.raises(ck.CheckpointError, match="failed"):
+      c.save(1, state, force=True)
+  with ck.Checkpointer(tmp_path / "fits", async_save=False,
+                       concurrent_gb=run_lib.save_concurrent_gb("cpu", 12_000_000)) as c:
+    assert c.save(1, state, force=True)

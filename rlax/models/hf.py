@@ -290,6 +290,12 @@ def _layer_slice(x, i):
   return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
 
 
+@jax.jit
+def _expert_slice(x, i, e):
+  """x[i, e] of a [layers, experts, ...] array, without a copy of the layer's other experts."""
+  return jax.lax.dynamic_slice(x, (i, e) + (0,) * (x.ndim - 2), (1, 1) + x.shape[2:])[0, 0]
+
+
 def save_checkpoint(params: transformer.Params, cfg: ModelConfig, path: str, *,
                     max_shard_bytes: int = 5 * 2**30, extra_config: Optional[dict] = None) -> list[str]:
   """Writes an HF checkpoint (config.json + safetensors) that transformers loads.
@@ -344,7 +350,7 @@ def save_checkpoint(params: transformer.Params, cfg: ModelConfig, path: str, *,
     tensors = {}
     for name, leaf, layer, lay in shard:
       x = leaf if layer is None else (_layer_slice(leaf, layer) if isinstance(layer, int) else
-                                      _layer_slice(_layer_slice(leaf, layer[0]), layer[1]))
+                                      _expert_slice(leaf, *layer))
       tensors[name] = lay.to_hf(np.asarray(jax.device_get(x)).astype(dtype))
       weight_map[name] = fname
       total += tensors[name].nbytes

@@ -67,7 +67,8 @@ def _moe(hf: dict[str, Any]) -> Optional[MoEConfig]:
   return MoEConfig(n_experts=int(n_experts), top_k=int(hf["num_experts_per_tok"]),
                    expert_mlp_dim=int(hf["intermediate_size"] if t == "mixtral" else hf["moe_intermediate_size"]),
                    norm_topk_prob=True if t == "mixtral" else bool(hf.get("norm_topk_prob", False)),
-                   shared_mlp_dim=int(hf.get("shared_expert_intermediate_size") or 0) if t == "qwen2_moe" else 0)
+                   # transformers' Qwen2MoeConfig default when the file omits it
+                   shared_mlp_dim=int(hf.get("shared_expert_intermediate_size", 5632)) if t == "qwen2_moe" else 0)
 
 
 def config_from_hf(hf: dict[str, Any], dtype: Optional[str] = None) -> ModelConfig:
@@ -84,6 +85,10 @@ def config_from_hf(hf: dict[str, Any], dtype: Optional[str] = None) -> ModelConf
   _refuse(hf, "use_sliding_window", lambda v: not v, "feature (sliding-window attention)")
   _refuse(hf, "layer_types", lambda v: all(t == "full_attention" for t in v), "layer types")
   _refuse(hf, "quantization_config", lambda v: not v, "feature (quantized checkpoint)")
+  if model_type == "mixtral":  # Mixtral slides whenever the window is set (no use_sliding_window switch)
+    _refuse(hf, "sliding_window", lambda v: not v, "feature (sliding-window attention)")
+  if model_type == "qwen2_moe":
+    _refuse(hf, "qkv_bias", bool, "feature (Qwen2-MoE without q/k/v biases)")
   # Llama's and Qwen3's attention_bias also adds an o_proj bias, which rlax has no slot for.
   _refuse(hf, "attention_bias", lambda v: not v, "feature (attention_bias with o_proj bias)")
   for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
@@ -147,7 +152,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
       if not m.norm_topk_prob or m.shared_mlp_dim or m.expert_mlp_dim != cfg.mlp_dim:
         raise ValueError("Mixtral renormalizes its top-k, has no shared expert, and its experts are "
                          "intermediate_size wide: this moe config has no HF equivalent")
-      out.update(num_local_experts=m.n_experts, router_jitter_noise=0.0)
+      out.update(num_local_experts=m.n_experts, router_jitter_noise=0.0, sliding_window=None)
     else:
       if bool(m.shared_mlp_dim) != (cfg.arch == "qwen2_moe"):
         raise ValueError(f"arch={cfg.arch!r} with shared_mlp_dim={m.shared_mlp_dim}: Qwen2-MoE has a shared "

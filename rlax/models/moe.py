@@ -110,6 +110,8 @@ def upcycle(cfg: ModelConfig, params: dict[str, Any], *, n_experts: int, top_k: 
   copies of itself behind a fresh router (N(0, router_std²)). The top-k weights are renormalized, so they sum
   to 1 over identical experts: the upcycled model computes the dense model's logits until training makes the
   experts differ."""
+  if top_k < 2:  # one expert's renormalized weight is p / p = 1: the router would get no gradient
+    raise ValueError(f"upcycle: top_k={top_k} must be >= 2 for the router to learn")
   arch = {"llama": "mixtral", "qwen3": "qwen3_moe"}.get(cfg.arch)
   if cfg.moe is not None or arch is None:
     raise ValueError(f"upcycle: a dense llama or qwen3 model is needed, got arch={cfg.arch!r}"

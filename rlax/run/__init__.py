@@ -2,6 +2,6 @@
 the topology, and read by the builders, the trainer, the packer, the memory estimate and the planner."""
 
 from rlax.run.compiles import CompileCounter
-from rlax.run.saves import checkpoint_blocks, host_copy_bytes, save_concurrent_gb
+from rlax.run.saves import checkpoint_blocks, host_copy_bytes, largest_array_bytes, save_concurrent_gb
 from rlax.run.train import TrainPlan, TrainProgram, row_lengths, train_plan
 from rlax.run.weights import versions_kept, versions_replayable

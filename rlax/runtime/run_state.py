@@ -65,7 +65,8 @@ class RunState:
     self.ckpt = Checkpointer(os.path.join(run.workdir, "checkpoints"), keep=ck.keep,
                              every_steps=ck.every_steps or None, every_seconds=ck.every_seconds or None,
                              processes=solo, async_save=not run_lib.checkpoint_blocks(platform),
-                             concurrent_gb=run_lib.save_concurrent_gb(platform))
+                             concurrent_gb=run_lib.save_concurrent_gb(platform,
+                                                                      run_lib.largest_array_bytes(run.model)))
     self._solo = solo
     self._sft: Optional[Checkpointer] = None  # the warm start's own checkpoints, opened when first needed
     # Deterministic mode regenerates nothing on resume: the rollouts generated ahead are saved.

@@ -141,6 +141,15 @@ def test_moe_config_rules():
   hf_cfg["mlp_only_layers"] = [1]
   with pytest.raises(ValueError, match="mlp_only_layers"):
     hf.config_from_hf(hf_cfg)
+  mix = hf.config_to_hf(EXPORT_CFGS["mixtral"])
+  assert mix["sliding_window"] is None and hf.config_from_hf(mix) == EXPORT_CFGS["mixtral"]
+  with pytest.raises(ValueError, match="sliding_window=4096"):
+    hf.config_from_hf({**mix, "sliding_window": 4096})
+  with pytest.raises(ValueError, match="qkv_bias=False"):
+    hf.config_from_hf({**hf.config_to_hf(EXPORT_CFGS["qwen2_moe"]), "qkv_bias": False})
+  q2 = hf.config_to_hf(EXPORT_CFGS["qwen2_moe"])
+  del q2["shared_expert_intermediate_size"]
+  assert hf.config_from_hf(q2).moe.shared_mlp_dim == 5632  # transformers' default
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -158,7 +167,9 @@ def test_upcycled_model_equals_the_dense_one(arch):
   np.testing.assert_allclose(np.asarray(M.forward(up, cfg, tokens)[0]), np.asarray(M.forward(params, dense, tokens)[0]),
                              atol=2e-5)
   with pytest.raises(ValueError, match="dense llama or qwen3"):
-    moe.upcycle(cfg, up, n_experts=2, top_k=1, key=jax.random.key(0))
+    moe.upcycle(cfg, up, n_experts=2, top_k=2, key=jax.random.key(0))
+  with pytest.raises(ValueError, match="top_k=1"):
+    moe.upcycle(dense, params, n_experts=2, top_k=1, key=jax.random.key(0))
 
 
 def test_trainer_replays_the_routes_the_sampler_recorded():
