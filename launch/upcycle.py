@@ -19,7 +19,7 @@ OUT = define_out("Directory of the upcycled model (a new or empty directory).")
 EXPERTS = flags.DEFINE_integer("experts", 8, "Experts per layer.")
 TOP_K = flags.DEFINE_integer("top_k", 2, "Experts each token goes to (>= 2, so that the router learns).")
 ROUTER_STD = flags.DEFINE_float("router_std", 0.02, "Standard deviation of the fresh router's weights.")
-SEED = flags.DEFINE_integer("seed", 0, "Seed of the router's weights.")
+ROUTER_SEED = flags.DEFINE_integer("router_seed", 0, "Seed of the router's weights.")
 
 
 def main(argv):
@@ -34,7 +34,7 @@ def main(argv):
   try:
     cfg, params = hf.load_checkpoint(argv[1])
     cfg, params = moe.upcycle(cfg, params, n_experts=EXPERTS.value, top_k=TOP_K.value,
-                              key=jax.random.key(SEED.value), router_std=ROUTER_STD.value)
+                              key=jax.random.key(ROUTER_SEED.value), router_std=ROUTER_STD.value)
     export.export_hf(params, cfg, OUT.value, tokenizer_dir=argv[1])
   except (ValueError, FileNotFoundError) as e:
     print(f"rlax: upcycle: {e}", file=sys.stderr)

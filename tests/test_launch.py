@@ -62,7 +62,7 @@ def test_no_flag_is_defined_in_two_launch_modules():
 
 
 _HELP = ["evaluate", "export", "fault_inject", "fetch_model", "main", "make_data", "multihost", "plan", "tpu",
-         "xm_launch"]
+         "upcycle", "xm_launch"]
 
 
 def test_every_entry_point_has_a_check_here():
