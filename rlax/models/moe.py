@@ -79,7 +79,7 @@ def expert_mlp(w: dict[str, Any], x: Float[Array, "N D"], experts: Int[Array, "N
                weights: Float[Array, "N k"], matmul=None) -> Float[Array, "N D"]:
   """Σ_j weights[:, j] · expert_{experts[:, j]}(x), as grouped matmuls over the pairs sorted by expert.
   matmul(x, w, sizes): the grouped matmul (default `grouped_matmul`; bench/moe.py compares ragged_dot)."""
-  n, k = experts.shape
+  k = experts.shape[1]
   n_experts = w["experts_gate"].shape[0]
   flat = experts.reshape(-1)
   order = jnp.argsort(flat, stable=True)
