@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from rlax.envs.base import CALL_OUTCOMES, STOP_REASONS, Environment, StepResult, Turn
+from rlax.models import moe
 from rlax.sampler import concat_outputs
 from rlax.sampler.rows import FINISH_REASONS, SampleOutput
 
@@ -231,16 +232,24 @@ class EpisodeStream:
     if not ep.parts:
       return last, forks
     arrays = {k: np.array(getattr(last, k)) for k in ("tokens", "logprobs", "versions", "sampled")}
+    parts, first = ep.parts + [last], ep.parts[0]
+    # A MoE sampler's routes: the first row's prompt, then each row's tokens; a new prompt's extra tokens were
+    # fed (and routed) as the last prompt tokens of the row after them.
+    routes, P = None if first.routes is None else np.array(first.routes), self.stream.e.max_prompt_len
     at = 0
-    for j, part in enumerate(ep.parts + [last]):
+    for j, part in enumerate(parts):
       n = int(part.lengths[0])
       for k, a in arrays.items():
         a[0, at:at + n] = np.asarray(getattr(part, k))[0, :n]
+      if routes is not None:
+        routes[0, P + at:P + at + n] = part.routes[0, P:P + n]
       at += n
       if j == len(ep.forks):
         break
       _, kind, extra = ep.forks[j]
       m = len(extra)
+      if routes is not None:
+        routes[0, P + at:P + at + m] = parts[j + 1].routes[0, P - m:P]
       arrays["tokens"][0, at:at + m], arrays["logprobs"][0, at:at + m] = extra, 0.0
       arrays["versions"][0, at:at + m], arrays["sampled"][0, at:at + m] = arrays["versions"][0, max(at - 1, 0)], False
       forks[0, at] = kind
@@ -248,7 +257,9 @@ class EpisodeStream:
     for k in arrays:
       rest = {"tokens": self.stream.e.pad_id, "logprobs": 0.0, "versions": -1, "sampled": False}[k]
       arrays[k][0, at:] = rest
-    first = ep.parts[0]
+    if routes is not None:
+      routes[0, P + at:] = moe.NO_ROUTE
+      arrays["routes"] = routes
     return first.replace(**arrays, lengths=np.array([at], np.int32), finish_reason=last.finish_reason,
                          version=max(p.version for p in ep.parts + [last])), forks
 

@@ -25,12 +25,14 @@ class MoEConfig:
   """Routed experts in every layer's MLP (rlax.models.moe): a softmax router sends each token to `top_k` of
   `n_experts` SwiGLU experts of width `expert_mlp_dim`, weighted by their probabilities (renormalized over the
   k when `norm_topk_prob`: Qwen3-MoE, Mixtral). `shared_mlp_dim` > 0: Qwen2-MoE's shared expert, gated per token
-  by a sigmoid."""
+  by a sigmoid. `routing_replay`: "rollout" (the sampler records every token's experts and the trainer's passes
+  route it to them: rlax.models.moe.replayed_routes) or "none" (each forward routes by its own router)."""
   n_experts: int
   top_k: int
   expert_mlp_dim: int
   norm_topk_prob: bool = True
   shared_mlp_dim: int = 0
+  routing_replay: str = "rollout"
 
   def __post_init__(self):
     for name in ("n_experts", "top_k", "expert_mlp_dim"):
@@ -40,6 +42,11 @@ class MoEConfig:
       raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds n_experts={self.n_experts}")
     if self.shared_mlp_dim < 0:
       raise ValueError(f"MoEConfig.shared_mlp_dim={self.shared_mlp_dim} must be >= 0")
+    if self.routing_replay not in ("rollout", "none"):
+      raise ValueError(f"MoEConfig.routing_replay={self.routing_replay!r}: use 'rollout' or 'none'")
+    if self.routing_replay == "rollout" and self.n_experts > 255:  # rlax.models.moe.ROUTE_DTYPE
+      raise ValueError(f"MoEConfig.routing_replay='rollout' stores expert ids as uint8: n_experts={self.n_experts} "
+                       f"must be <= 255 (or set routing_replay='none')")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,24 +20,47 @@ from jaxtyping import Array, Float, Int
 
 from rlax.models.config import ModelConfig, MoEConfig
 
+# Routing replay: a token's recorded experts are ids in ROUTE_DTYPE (n_experts <= 255: MoEConfig checks it);
+# NO_ROUTE marks a token that has none (padding, a row's last token, which no forward fed), routed afresh.
+ROUTE_DTYPE = jnp.uint8
+NO_ROUTE = 255
+
+
+def replayed_routes(cfg: ModelConfig) -> Optional[tuple[int, int]]:
+  """(layers, top_k): the routes each token of a rollout carries when `cfg` replays them, else None. The one
+  rule for the sampler's slots (rlax.sampler.slots), its memory (rlax.sampler.sizing), the batches
+  (rlax.trainer.batch, rlax.rollout.packing) and the trainer's forward (rlax.trainer.layouts)."""
+  if cfg.moe is None or cfg.moe.routing_replay != "rollout":
+    return None
+  return cfg.n_layers, cfg.moe.top_k
+
 
 def route(cfg: ModelConfig, router: jax.Array, x: Float[Array, "N D"],
           experts: Optional[Int[Array, "N k"]] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(router logits [N, E] f32, experts [N, k] int32, weights [N, k] f32).
 
   `experts` given (routing replay): those experts, weighted by this router's own probabilities over them, so
-  the router still gets gradients; otherwise the top-k of the probabilities.
+  the router still gets gradients (a token whose ids hold NO_ROUTE or any id >= E: its own top-k); otherwise
+  the top-k of the probabilities.
   """
   m = cfg.moe
   logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
   probs = jax.nn.softmax(logits, axis=-1)
-  if experts is None:
-    weights, experts = jax.lax.top_k(probs, m.top_k)
-  else:
+  weights, own = jax.lax.top_k(probs, m.top_k)
+  if experts is not None:
+    given = experts.astype(jnp.int32)
+    experts = jnp.where(jnp.all(given < m.n_experts, axis=-1, keepdims=True), given, own)
     weights = jnp.take_along_axis(probs, experts, axis=-1)
+  else:
+    experts = own
   if m.norm_topk_prob:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   return logits, experts.astype(jnp.int32), weights
+
+
+def as_routes(chosen: jax.Array) -> jax.Array:
+  """Expert ids as a rollout stores them (ROUTE_DTYPE)."""
+  return chosen.astype(ROUTE_DTYPE)
 
 
 def _swiglu(x, gate, up, down, matmul):

@@ -15,6 +15,7 @@ import numpy as np
 
 from rlax.data.prompts import PromptRenderer
 from rlax.data.records import Record
+from rlax.models import moe
 from rlax.rollout import stats as rollout_stats
 from rlax.sampler import SampleOutput, strategies
 from rlax.trainer.batch import PackedBatch, RolloutBatch, response_loss_mask
@@ -49,7 +50,8 @@ def pack(out: SampleOutput, rewards: np.ndarray, prompt_len: int, forks=None) ->
   batch has the same static shape (no trainer recompiles, fixed checkpoint
   shapes); the behaviour log-prob of response token j sits at index P-1+j,
   where token_logprobs scores it. Tokens the policy did not sample (appended by `Stream.extend`) get loss
-  mask 0. forks [B, N]: where a response starts a new segment (multi-turn episodes split into rows).
+  mask 0. forks [B, N]: where a response starts a new segment (multi-turn episodes split into rows). A MoE
+  sampler's routes ride along per token, laid out as the tokens.
   """
   prompt, pmask = np.asarray(out.prompt_tokens), np.asarray(out.prompt_mask)
   if prompt.shape[1] > prompt_len:
@@ -72,9 +74,13 @@ def pack(out: SampleOutput, rewards: np.ndarray, prompt_len: int, forks=None) ->
   loss_mask[:, P - 1:] *= np.asarray(out.sampled) & rmask
   if forks is not None:
     forks = np.concatenate([np.zeros((B, P), np.int32), np.where(rmask, np.asarray(forks, np.int32), 0)], axis=1)
+  routes = out.routes
+  if routes is not None:
+    routes = np.asarray(routes)
+    routes = np.pad(routes, ((0, 0), (extra, 0), (0, 0), (0, 0)), constant_values=moe.NO_ROUTE)
   return RolloutBatch(tokens=tokens, input_mask=input_mask, loss_mask=loss_mask,
                       behaviour_logprobs=blp, rewards=np.asarray(rewards, np.float32), versions=row_version,
-                      group_ids=np.asarray(out.prompt_ids, np.int32), forks=forks, prompt_len=P)
+                      group_ids=np.asarray(out.prompt_ids, np.int32), forks=forks, routes=routes, prompt_len=P)
 
 
 def _sequences(batch: RolloutBatch) -> list[tuple[np.ndarray, int, int]]:
@@ -239,6 +245,9 @@ def pack_tokens(batch: RolloutBatch, row_len: int | PackedShape, *, share_prompt
   z = lambda shape, fill=0, d=np.int32: np.full(shape, fill, d)
   out = dict(tokens=z((R, row_len)), positions=z((R, row_len)), segment_ids=z((R, row_len)),
              parents=z((R, row_len)), score_index=z((R, K)), targets=z((R, K)), seq=z((R, K), B))
+  routes = None if batch.routes is None else np.asarray(batch.routes)
+  if routes is not None:
+    out["routes"] = z((R, row_len, *routes.shape[2:]), moe.NO_ROUTE, routes.dtype)
   out.update({k: z((R, K), 0.0, np.float32) for k in per_tok})
   for q, row in enumerate(rows):
     r, o, k, sid = at[q], 0, 0, 0
@@ -247,11 +256,17 @@ def pack_tokens(batch: RolloutBatch, row_len: int | PackedShape, *, share_prompt
       sid += 1
       parent = sid
       out["tokens"][r, o:o + p], out["positions"][r, o:o + p], out["segment_ids"][r, o:o + p] = prompt, np.arange(p), sid
+      if routes is not None:  # a shared prompt's copy: its first member's routes (equal prompts route alike)
+        b0 = members[0]
+        P0 = batch.prompt_len
+        out["routes"][r, o:o + p] = routes[b0, :P0][np.asarray(batch.input_mask[b0, :P0], bool)]
       last, o = o + p - 1, o + p
       for b in members:
         _, P, n = seqs[b]
         sl, ks = slice(o, o + n), slice(k, k + n)
         out["tokens"][r, sl], out["targets"][r, ks], out["seq"][r, ks] = tok[b, P:P + n], tok[b, P:P + n], b
+        if routes is not None:
+          out["routes"][r, sl] = routes[b, P:P + n]
         # Segments of the response: the first after the prompt, then one per fork (a new row of an episode
         # after the prompt, or alone); a segment's first token is scored from the prompt's last (alone: from
         # itself, an unscored appended token).
@@ -354,15 +369,16 @@ def concat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
   return jax.tree.map(lambda *xs: np.concatenate(xs), *batches)
 
 
-def empty_batch(batch: int, prompt_len: int, new_tokens: int, forks: bool = False) -> RolloutBatch:
+def empty_batch(batch: int, prompt_len: int, new_tokens: int, forks: bool = False,
+                routes: tuple[int, int] | None = None) -> RolloutBatch:
   """An all-zero numpy RolloutBatch of the static shape `pack` produces (a checkpoint restore template);
-  forks: with the field episodes fill."""
+  forks: with the field episodes fill; routes: (layers, top_k) of a model that replays them."""
   T = prompt_len + new_tokens
   z = lambda *s, d=np.float32: np.zeros(s, d)
   return RolloutBatch(tokens=z(batch, T, d=np.int32), input_mask=z(batch, T, d=bool), loss_mask=z(batch, T - 1),
                       behaviour_logprobs=z(batch, T - 1), rewards=z(batch), versions=z(batch, d=np.int32),
                       group_ids=z(batch, d=np.int32), forks=z(batch, T, d=np.int32) if forks else None,
-                      prompt_len=prompt_len)
+                      routes=z(batch, T, *routes, d=np.uint8) if routes else None, prompt_len=prompt_len)
 
 
 def text_generate_fn(sampler, render: PromptRenderer, method: strategies.SamplingMethod, seed: int, step: int,

@@ -21,6 +21,7 @@ from rlax import config as config_lib
 from rlax import run as run_lib
 from rlax.checkpoint import Checkpointer, IncompatibleCheckpointError, abstract_like, to_json
 from rlax.envs import journal
+from rlax.models import moe
 from rlax.rollout import Rollout, empty_batch
 
 
@@ -73,7 +74,8 @@ class RunState:
     self.n_pending = run.controller.max_staleness if run.deterministic else 0
     # The KL reference is the policy RL started from; after a warm start it exists nowhere else.
     self.with_ref = run.algorithm.kl_coef > 0 and run.init.sft_steps > 0
-    self._template = empty_batch(run.rollout.rows, prompt_len, run.rollout.max_new_tokens, forks=bool(run.env.name))
+    self._template = empty_batch(run.rollout.rows, prompt_len, run.rollout.max_new_tokens, forks=bool(run.env.name),
+                                 routes=moe.replayed_routes(run.model))
     self._model = to_json(run.model)
     # Orbax refuses arrays that one process of a multi-process job holds whole: save them from the host.
     self._via_host = jax.process_count() > 1

@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax import models
+from rlax.models import moe
 from rlax.models import sharding as shd
 from rlax.sampler import layouts, paged
 from rlax.sampler import params as params_lib
@@ -154,7 +155,10 @@ class Sampler:
     kv = (cfg.n_layers, groups, self.max_prompt_len, cfg.n_kv_heads, cfg.head_dim)
     ns = lambda axes, dims: NamedSharding(self.mesh, models.spec_for(axes, dims, shape))
     kv_sh = ns((None, "batch", None, "act_kv_heads", None), kv)
-    return kv_sh, kv_sh, ns(("batch", "act_vocab"), (groups, cfg.vocab_size))
+    routes = moe.replayed_routes(cfg)
+    routes_sh = None if routes is None else ns((None, "batch", None, None), (routes[0], groups, self.max_prompt_len,
+                                                                             routes[1]))
+    return kv_sh, kv_sh, ns(("batch", "act_vocab"), (groups, cfg.vocab_size)), routes_sh
 
   # -- weights ---------------------------------------------------------------------------------------------------
   def update_weights(self, params: models.Params, version: int) -> None:
@@ -214,12 +218,12 @@ class Sampler:
     return st if self.mesh is None else jax.device_put(st, self.state_shardings(st.t.shape[0]))
 
   def prefill(self, params, prompt, n_prompt):
-    """Distinct prompts [Q, P] (right-padded) → keys, values [L, Q, P, K, Dh], next-token logits [Q, V]."""
+    """Distinct prompts [Q, P] (right-padded) → keys, values [L, Q, P, K, Dh], next-token logits [Q, V], the
+    prompts' experts [L, Q, P, k] (None unless the model replays routes)."""
     return self._prefill(prompt.shape[0])(params, prompt, n_prompt)
 
   def admit(self, st, prefilled, prompt, n_prompt, slot_ids, which, keys, limits, version, strategy):
-    k, v, logits = prefilled
-    return self._admit(st, k, v, logits, prompt, n_prompt, slot_ids, which, keys, limits, version, strategy=strategy)
+    return self._admit(st, *prefilled, prompt, n_prompt, slot_ids, which, keys, limits, version, strategy=strategy)
 
   def admission(self, params, st, prompts, n_prompt, slot_ids, keys, limits, version: int, strategy):
     """Prefills `prompts` [q, P] (host) and admits their G rows each into `slot_ids` [q G] (>= S: padding), rows
@@ -340,7 +344,7 @@ class Sampler:
       pre = prefill.lower(self.abstract_params(), i32(groups, self.max_prompt_len), i32(groups))
       outs = pre.out_info
       if self.mesh is not None:
-        outs = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh)
+        outs = tuple(None if o is None else jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh)
                      for o, sh in zip(outs, self._prefill_shardings(groups)))
       A = groups * samples
       adm = self._admit.lower(self.abstract_state(), *outs, i32(groups, self.max_prompt_len), i32(groups),

@@ -9,7 +9,7 @@ preempted run can regenerate exactly what it lost.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Optional, Sequence
 
 import flax.struct
 import jax
@@ -30,7 +30,9 @@ class SampleOutput:
   drew (False: appended by `Stream.extend`, or past the end), logprobs [B, N] behaviour log-probs (0 where not
   sampled), lengths [B] tokens after the prompt (EOS / stop tokens included), finish_reason [B] (LENGTH / EOS /
   STOP / BUDGET), prompt_tokens / prompt_mask [B, P] (left-padded), versions [B, N] the weight version in force
-  at each token (-1 after the end), prompt_ids / sample_ids [B]; version: the newest version used.
+  at each token (-1 after the end), prompt_ids / sample_ids [B]; version: the newest version used. routes
+  [B, P + N, L, k] (a MoE model replaying routes, else None): the experts of each prompt (left-padded) and
+  new token in each layer, NO_ROUTE where no forward fed the token (padding, each row's last token).
   """
   tokens: Int[Array, "B N"]
   logprobs: Float[Array, "B N"]
@@ -42,6 +44,7 @@ class SampleOutput:
   prompt_ids: Int[Array, "B"]
   sample_ids: Int[Array, "B"]
   sampled: Bool[Array, "B N"]
+  routes: Optional[Int[Array, "B T L k"]] = None
   version: int = flax.struct.field(pytree_node=False, default=0)
 
 

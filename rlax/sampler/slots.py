@@ -2,8 +2,9 @@
 recompute after a weight swap, cancel, and gather / grow (moving rows between slot counts).
 
 A slot holds one request: its prompt (n_prompt tokens), every token after it (`tokens`: sampled, or appended
-by an extension) with its log-prob, weight version and whether it was sampled, and the cache (a
-`rlax.sampler.layouts` layout's) of its sequence. t[s] tokens follow the prompt; the last one is fed by the
+by an extension) with its log-prob, weight version and whether it was sampled, the cache (a
+`rlax.sampler.layouts` layout's) of its sequence, and for a MoE model that replays routes the experts each
+token of it went to when a forward fed it (`routes`, by index in the sequence: what the trainer replays). t[s] tokens follow the prompt; the last one is fed by the
 next decode step, so indices 0 .. n_prompt + t - 2 are cached. Shapes are static (S slots, P prompt columns,
 N new-token budget, M stop ids per slot), so nothing recompiles in steady state.
 """
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from rlax import models
+from rlax.models import moe
 from rlax.sampler import params as params_lib
 from rlax.sampler import rows as rows_lib
 from rlax.sampler import step as step_lib
@@ -30,7 +32,8 @@ class SlotState:
   """tokens / logprobs / versions / sampled [S, N] (pad / 0 / -1 / False past a row's end); prompt [S, P]
   right-padded, n_prompt [S]; t [S] tokens after the prompt; limit [S] t at which the row stops; done [S]
   (free and held slots are done); reason [S]; last [S] the token fed next; keys [S] row keys; stop_ids [S, M]
-  (-1: none); work [] slot-steps that decoded a running row; steps [] decode steps run."""
+  (-1: none); work [] slot-steps that decoded a running row; steps [] decode steps run; routes [S, P + N, L, k]
+  (`moe.replayed_routes`; else None) the experts of sequence index i in layer l (moe.NO_ROUTE: not fed yet)."""
   cache: object
   prompt: jax.Array
   n_prompt: jax.Array
@@ -47,6 +50,7 @@ class SlotState:
   stop_ids: jax.Array
   work: jax.Array
   steps: jax.Array
+  routes: object = None
 
 
 def empty(cfg: models.ModelConfig, layout, slots: int, prompt_len: int, new_tokens: int, pad_id: int,
@@ -59,7 +63,22 @@ def empty(cfg: models.ModelConfig, layout, slots: int, prompt_len: int, new_toke
                    versions=jnp.full((S, N), -1, jnp.int32), sampled=z((S, N), bool), t=z((S,), jnp.int32),
                    limit=z((S,), jnp.int32), done=jnp.ones((S,), bool), reason=z((S,), jnp.int32),
                    last=z((S,), jnp.int32), keys=jax.random.split(jax.random.key(0), S),
-                   stop_ids=jnp.full((S, MAX_STOP_IDS), -1, jnp.int32), work=z((), jnp.int32), steps=z((), jnp.int32))
+                   stop_ids=jnp.full((S, MAX_STOP_IDS), -1, jnp.int32), work=z((), jnp.int32), steps=z((), jnp.int32),
+                   routes=_no_routes(cfg, S, prompt_len + new_tokens))
+
+
+def _no_routes(cfg: models.ModelConfig, rows: int, length: int):
+  """[rows, length, L, k] of moe.NO_ROUTE, or None when `cfg` replays no routes."""
+  shape = moe.replayed_routes(cfg)
+  return None if shape is None else jnp.full((rows, length, *shape), moe.NO_ROUTE, moe.ROUTE_DTYPE)
+
+
+def _put_routes(routes, rows, cols, chosen):
+  """routes[rows[a], cols[a, j]] = chosen[l, a, j] (layer-major, as forwards return them) for every layer l;
+  rows or cols out of range are dropped. routes None (nothing replayed): None."""
+  if routes is None:
+    return None
+  return routes.at[rows[:, None], cols].set(moe.as_routes(jnp.moveaxis(chosen, 0, 2)), mode="drop")
 
 
 def record(st: SlotState, live, tok, lp, version, eos_ids: Sequence[int], stops, pad_id: int) -> SlotState:
@@ -80,16 +99,20 @@ def record(st: SlotState, live, tok, lp, version, eos_ids: Sequence[int], stops,
                     reason=reason.astype(jnp.int32), t=jnp.where(live, t + 1, t), last=jnp.where(live, tok, st.last))
 
 
+def _no_routes_like(routes, rows: int):
+  return jnp.full((rows, *routes.shape[1:]), moe.NO_ROUTE, routes.dtype)
+
+
 def prefill(params, prompt, n_prompt, *, cfg: models.ModelConfig):
   """Distinct prompts [Q, P] (right-padded, n_prompt [Q] tokens each) → (keys, values [L, Q, P, K, Dh], logits
-  after the last prompt token [Q, V])."""
+  after the last prompt token [Q, V], the prompt tokens' experts [L, Q, P, k] or None: `moe.replayed_routes`)."""
   zero = jnp.zeros_like(n_prompt)
-  logits, k, v, _ = step_lib.forward(params, cfg, prompt, zero, n_prompt)
-  return k, v, logits
+  logits, k, v, routes = step_lib.forward(params, cfg, prompt, zero, n_prompt)
+  return k, v, logits, None if moe.replayed_routes(cfg) is None else moe.as_routes(routes)
 
 
-def admit(st: SlotState, k, v, logits, prompt, n_prompt, slot_ids, which, keys, limits, version, *, layout,
-          strategy: SamplingMethod, eos_ids, stops, pad_id: int) -> SlotState:
+def admit(st: SlotState, k, v, logits, routes, prompt, n_prompt, slot_ids, which, keys, limits, version, *,
+          layout, strategy: SamplingMethod, eos_ids, stops, pad_id: int) -> SlotState:
   """Request a (prompt `which[a]` of a prefill: its keys / values / logits / tokens) takes slot slot_ids[a] (ids
   >= S are padding, dropped) and draws its token 0. A slot's old tokens past its new t are masked, never read."""
   S, N = st.tokens.shape
@@ -99,6 +122,11 @@ def admit(st: SlotState, k, v, logits, prompt, n_prompt, slot_ids, which, keys, 
   zero = jnp.zeros_like(n)
   cache = layout.write(st.cache, sid, k[:, which], v[:, which], zero, n, n)
   A = sid.shape[0]
+  P = prompt.shape[1]
+  if st.routes is not None:  # the prompt's experts; its padding and every later index not fed yet
+    cols = jnp.where(jnp.arange(P)[None] < n[:, None], jnp.arange(P)[None], st.routes.shape[1])
+    fresh_routes = _put_routes(_no_routes_like(st.routes, A), jnp.arange(A), cols, routes[:, which])
+    st = st.replace(routes=put(st.routes, fresh_routes))
   new = st.replace(
       cache=cache, prompt=put(st.prompt, prompt[which]), n_prompt=put(st.n_prompt, n),
       tokens=put(st.tokens, jnp.full((A, N), pad_id, jnp.int32)),
@@ -131,9 +159,13 @@ def decode_chunk(params, st: SlotState, version, n_steps, *, cfg: models.ModelCo
     def body(st, i=i):
       live = ~st.done
       pos = st.n_prompt + st.t - 1
-      logits, cache = step_lib.decode_step(fused, cfg, layout, st.cache, st.last, pos, st.n_prompt, live, i + 1)
+      logits, cache, chosen = step_lib.decode_step(fused, cfg, layout, st.cache, st.last, pos, st.n_prompt, live,
+                                                   i + 1)
       tok, lp = strategy.sample(logits, rows_lib.uniforms(st.keys, st.t))
-      st = record(st.replace(cache=cache), live, tok, lp, version, eos_ids, stops, pad_id)
+      S, T = st.t.shape[0], None if st.routes is None else st.routes.shape[1]
+      routes = None if T is None else _put_routes(st.routes, jnp.arange(S), jnp.where(live, pos, T)[:, None],
+                                                  chosen[:, :, None])
+      st = record(st.replace(cache=cache, routes=routes), live, tok, lp, version, eos_ids, stops, pad_id)
       return st.replace(work=st.work + jnp.sum(live).astype(jnp.int32), steps=st.steps + 1)
 
     st = jax.lax.while_loop(cond, body, st)
@@ -153,9 +185,12 @@ def extend(params, st: SlotState, slot_ids, append, n_append, limits, stop_ids, 
   start = n_prompt + t - 1  # index of the row's last token, not yet cached
   feed = jnp.concatenate([st.last[sid][:, None], append[:, :-1]], axis=1)
   past = layout.past(st.cache, sid, n_prompt, start)
-  _, k, v, _ = step_lib.forward(params, cfg, feed, start, n_append, past)
+  _, k, v, chosen = step_lib.forward(params, cfg, feed, start, n_append, past)
   cache = layout.write(st.cache, jnp.where(ok, slot_ids, S), k, v, start, n_append, n_prompt)
   M = append.shape[1]
+  if st.routes is not None:  # the fed tokens' experts, at their sequence indices
+    fed = jnp.where(jnp.arange(M)[None] < n_append[:, None], start[:, None] + jnp.arange(M)[None], st.routes.shape[1])
+    st = st.replace(routes=_put_routes(st.routes, jnp.where(ok, sid, S), fed, chosen))
   rows = jnp.where(ok[:, None], sid[:, None], S)
   cols = t[:, None] + jnp.arange(M)[None]
   cols = jnp.where(jnp.arange(M)[None] < n_append[:, None], cols, N)  # past the appended tokens: dropped
@@ -173,7 +208,8 @@ def extend(params, st: SlotState, slot_ids, append, n_append, limits, stop_ids, 
 
 def recompute(params, st: SlotState, *, cfg: models.ModelConfig, layout) -> SlotState:
   """Recomputes every slot's cached keys and values (prompt + tokens but the last) under `params`, after a
-  weight swap: tokens drawn under version v then come from exactly the policy v."""
+  weight swap: tokens drawn under version v then come from exactly the policy v. The recorded routes become
+  the new forward's, the experts the cache (and every later token) now follows."""
   S, P = st.prompt.shape
   N = st.tokens.shape[1]
   i = jnp.arange(P + N)[None]
@@ -182,8 +218,10 @@ def recompute(params, st: SlotState, *, cfg: models.ModelConfig, layout) -> Slot
                   jnp.take_along_axis(st.tokens, jnp.clip(i - n, 0, N - 1), axis=1))
   count = jnp.where(st.t > 0, st.n_prompt + st.t - 1, 0)
   zero = jnp.zeros((S,), jnp.int32)
-  _, k, v, _ = step_lib.forward(params, cfg, seq, zero, count)
-  return st.replace(cache=layout.write(st.cache, jnp.arange(S), k, v, zero, count, st.n_prompt))
+  _, k, v, chosen = step_lib.forward(params, cfg, seq, zero, count)
+  cols = jnp.where(i < count[:, None], i, P + N)
+  return st.replace(cache=layout.write(st.cache, jnp.arange(S), k, v, zero, count, st.n_prompt),
+                    routes=_put_routes(st.routes, jnp.arange(S), cols, chosen))
 
 
 def cancel(st: SlotState, mask) -> SlotState:

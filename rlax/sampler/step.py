@@ -94,11 +94,13 @@ def _recording_mlp(cfg: models.ModelConfig, into: list):
 
 
 def decode_step(fused: dict, cfg: models.ModelConfig, layout, cache, tok: Int[Array, "S"], pos: Int[Array, "S"],
-                n_prompt: Int[Array, "S"], live: Bool[Array, "S"], reach: int) -> tuple[Float[Array, "S V"], object]:
+                n_prompt: Int[Array, "S"], live: Bool[Array, "S"], reach: int
+                ) -> tuple[Float[Array, "S V"], object, Optional[Int[Array, "L S k"]]]:
   """Feeds tok[s] at index pos[s] of every slot; `layout.attend` writes its key/value (running slots only)
   and attends. fused: `rlax.sampler.params.fuse(..., stacked=layout.scans and cfg.scan_layers)`.
 
-  Returns f32 logits [S, V] for each slot's next token and the updated cache.
+  Returns f32 logits [S, V] for each slot's next token, the updated cache, and for a MoE model the experts
+  the fed tokens went to in each layer (else None).
   """
   dt = cfg.jnp_dtype
   cos_sin = layers.rope(pos[:, None], layers.rope_inv_freq(cfg))
@@ -111,10 +113,11 @@ def decode_step(fused: dict, cfg: models.ModelConfig, layout, cache, tok: Int[Ar
                                reach=reach)
       return o[:, None]
 
-    x = layers.block(cfg, w, x, cos_sin, attend)
-    return x, cache, None
+    chosen = []
+    x = layers.block(cfg, w, x, cos_sin, attend, mlp=_recording_mlp(cfg, chosen))
+    return x, cache, chosen[0][:, 0] if chosen else None
 
-  x, cache, _ = _layers(cfg, fused["layers"], x, cache, body, layout.scans and cfg.scan_layers)
+  x, cache, routes = _layers(cfg, fused["layers"], x, cache, body, layout.scans and cfg.scan_layers)
   x = layers.rms_norm(x[:, 0], fused["final_norm"], cfg.norm_eps)
   logits = jnp.dot(x, fused["lm_head"], preferred_element_type=jnp.float32)
-  return models.constrain(logits, ("batch", "act_vocab")), cache
+  return models.constrain(logits, ("batch", "act_vocab")), cache, routes

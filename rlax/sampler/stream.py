@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlax.models import moe
 from rlax.sampler import prompts as prompts_lib
 from rlax.sampler import rows as rows_lib
 from rlax.sampler.rows import SampleOutput
@@ -56,6 +57,7 @@ class _Group:
   logprobs: np.ndarray = None
   versions: np.ndarray = None
   sampled: np.ndarray = None
+  routes: np.ndarray = None  # [G, P + N, L, k] by sequence index (slots.SlotState.routes), when replayed
   lengths: np.ndarray = None
   reason: np.ndarray = None
   decoding: int = 0   # rows decoding, or extended and not yet decoding
@@ -300,13 +302,17 @@ class Stream:
     if not len(fin):
       return []
     st = jax.device_get((self.st.tokens, self.st.logprobs, self.st.versions, self.st.sampled, self.st.t,
-                         self.st.reason))
-    tok, lp, ver, smp, t, reason = (x[fin] for x in st)
+                         self.st.reason, self.st.routes))
+    tok, lp, ver, smp, t, reason, routes = (None if x is None else x[fin] for x in st)
     out = []
     for j, s in enumerate(fin):
       r = int(self.owner[s])
       g, i = self._rows[r]
       g.tokens[i], g.logprobs[i], g.versions[i], g.sampled[i] = tok[j], lp[j], ver[j], smp[j]
+      if routes is not None:
+        if g.routes is None:
+          g.routes = np.zeros((g.samples, *routes.shape[1:]), routes.dtype)
+        g.routes[i] = routes[j]
       g.lengths[i], g.reason[i] = t[j], reason[j]
       self.finished_tokens += int(t[j]) - int(g.counted[i])  # a held row's earlier turns were counted already
       g.counted[i] = int(t[j])
@@ -329,11 +335,15 @@ class Stream:
     left = np.full(P, self.e.pad_id, np.int32)
     left[P - n:] = g.prompt[:n]
     R = len(rows)
+    routes = None
+    if g.routes is not None:  # sequence indices → [left-padded prompt | tokens], as prompt_tokens and tokens
+      routes = np.full_like(g.routes[rows], moe.NO_ROUTE)
+      routes[:, P - n:P], routes[:, P:] = g.routes[rows, :n], g.routes[rows, n:n + self.e.max_new_tokens]
     return SampleOutput(tokens=g.tokens[rows], logprobs=g.logprobs[rows], lengths=g.lengths[rows],
                         finish_reason=g.reason[rows], prompt_tokens=np.repeat(left[None], R, 0),
                         prompt_mask=np.repeat((np.arange(P) >= P - n)[None], R, 0), versions=g.versions[rows],
                         prompt_ids=np.full(R, g.prompt_id, np.int32), sample_ids=np.asarray(rows, np.int32),
-                        sampled=g.sampled[rows], version=int(g.versions[rows].max()))
+                        sampled=g.sampled[rows], routes=routes, version=int(g.versions[rows].max()))
 
   def timings(self) -> dict:
     """Wall time, chunks, weight swaps, decode steps and slot utilization (decoding slots over all slots of the

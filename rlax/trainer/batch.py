@@ -27,7 +27,7 @@ _DTYPES = {"tokens": jnp.int32, "input_mask": jnp.bool_, "loss_mask": jnp.float3
            "behaviour_logprobs": jnp.float32, "rewards": jnp.float32, "versions": jnp.int32,
            "group_ids": jnp.int32, "ref_logprobs": jnp.float32, "advantages": jnp.float32,
            "positions": jnp.int32, "segment_ids": jnp.int32, "parents": jnp.int32, "score_index": jnp.int32,
-           "targets": jnp.int32, "seq": jnp.int32, "forks": jnp.int32}
+           "targets": jnp.int32, "seq": jnp.int32, "forks": jnp.int32, "routes": jnp.uint8}
 
 
 def _check_dtype(kind: str, name: str, x) -> None:
@@ -36,10 +36,15 @@ def _check_dtype(kind: str, name: str, x) -> None:
 
 
 def _check_fields(batch, want: dict, per_slot: tuple, seqs: int, suffix: str = "") -> None:
-  """Shapes and dtypes of `want`'s fields, of ref_logprobs (per slot) and of advantages ([seqs] or per slot)."""
+  """Shapes and dtypes of `want`'s fields, of ref_logprobs (per slot), of routes (per token: [rows, length, L, k])
+  and of advantages ([seqs] or per slot)."""
   kind = type(batch).__name__
   if batch.ref_logprobs is not None:
     want = {**want, "ref_logprobs": per_slot}
+  if batch.routes is not None:
+    if batch.routes.ndim != 4:
+      raise ValueError(f"{kind}.routes must be [rows, length, layers, top_k], got shape {batch.routes.shape}")
+    want = {**want, "routes": tuple(batch.tokens.shape) + tuple(batch.routes.shape[2:])}
   for name, shape in want.items():
     got = tuple(getattr(batch, name).shape)
     if got != shape:
@@ -67,6 +72,9 @@ class RolloutBatch:
   nonzero where a response slot starts a new attention segment of its
   sequence (a multi-turn episode split into rows, rlax.envs.episodes: 1 after
   the prompt, 2 alone); such a batch trains packed (rlax.rollout.packing).
+  routes [B,T,L,k] uint8 or None: the experts the sampler sent each token to
+  in each layer, which the trainer's forwards replay (rlax.models.moe;
+  NO_ROUTE: route afresh).
   """
   tokens: jax.Array
   input_mask: jax.Array
@@ -78,6 +86,7 @@ class RolloutBatch:
   ref_logprobs: Optional[jax.Array] = None
   advantages: Optional[jax.Array] = None
   forks: Optional[jax.Array] = None
+  routes: Optional[jax.Array] = None
   prompt_len: int = flax.struct.field(pytree_node=False, default=0)
 
   @property
@@ -85,13 +94,16 @@ class RolloutBatch:
     return self.tokens.shape[0]
 
   @classmethod
-  def abstract(cls, rows: int, seq: int, *, with_ref: bool = False, prompt_len: int = 0) -> "RolloutBatch":
-    """A batch of unsharded ShapeDtypeStructs: tokens [rows, seq] and the rest as in the class doc."""
+  def abstract(cls, rows: int, seq: int, *, with_ref: bool = False, prompt_len: int = 0,
+               routes: Optional[tuple[int, int]] = None) -> "RolloutBatch":
+    """A batch of unsharded ShapeDtypeStructs: tokens [rows, seq] and the rest as in the class doc; routes:
+    (layers, top_k) of a model that replays them (rlax.models.moe.replayed_routes), else None."""
     s = lambda name, *shape: jax.ShapeDtypeStruct(shape, _DTYPES[name])
     return cls(tokens=s("tokens", rows, seq), input_mask=s("input_mask", rows, seq),
                loss_mask=s("loss_mask", rows, seq - 1), behaviour_logprobs=s("behaviour_logprobs", rows, seq - 1),
                rewards=s("rewards", rows), versions=s("versions", rows), group_ids=s("group_ids", rows),
-               ref_logprobs=s("ref_logprobs", rows, seq - 1) if with_ref else None, prompt_len=prompt_len)
+               ref_logprobs=s("ref_logprobs", rows, seq - 1) if with_ref else None,
+               routes=s("routes", rows, seq, *routes) if routes else None, prompt_len=prompt_len)
 
   def check(self, group_size: Optional[int] = None) -> "RolloutBatch":
     """Raises ValueError naming the first field whose shape, dtype or prompt masking is wrong; returns self.
@@ -129,8 +141,9 @@ class PackedBatch:
   Scored slots [R, K]: score_index (the row position whose hidden state predicts the slot's token),
   targets (that token), seq (the sequence 0..B-1 of the slot; B on padding), loss_mask,
   behaviour_logprobs, ref_logprobs (or None). Per sequence [B]: rewards, versions, group_ids (prompt-major
-  as in RolloutBatch); advantages [B], [R, K] or None. max_len (static): the response budget (T - prompt
-  length of the padded batch), Dr. GRPO's default normalizer.
+  as in RolloutBatch); advantages [B], [R, K] or None. routes [R, L, layers, k] or None: each row token's
+  replayed experts (RolloutBatch.routes). max_len (static): the response budget (T - prompt length of the
+  padded batch), Dr. GRPO's default normalizer.
   """
   tokens: jax.Array
   positions: jax.Array
@@ -146,6 +159,7 @@ class PackedBatch:
   group_ids: jax.Array
   ref_logprobs: Optional[jax.Array] = None
   advantages: Optional[jax.Array] = None
+  routes: Optional[jax.Array] = None
   max_len: int = flax.struct.field(pytree_node=False, default=1)
 
   @property
@@ -155,14 +169,15 @@ class PackedBatch:
 
   @classmethod
   def abstract(cls, rows: int, length: int, slots: int, seqs: int, *, with_ref: bool = False,
-               max_len: int = 1) -> "PackedBatch":
-    """ShapeDtypeStructs of a batch of `rows` x `length` tokens, `slots` scored slots a row, `seqs` sequences."""
+               max_len: int = 1, routes: Optional[tuple[int, int]] = None) -> "PackedBatch":
+    """ShapeDtypeStructs of a batch of `rows` x `length` tokens, `slots` scored slots a row, `seqs` sequences;
+    routes as in `RolloutBatch.abstract`."""
     s = lambda name, *shape: jax.ShapeDtypeStruct(shape, _DTYPES[name])
     row = {n: s(n, rows, length) for n in ("tokens", "positions", "segment_ids", "parents")}
     slot = {n: s(n, rows, slots) for n in ("score_index", "targets", "seq", "loss_mask", "behaviour_logprobs")}
     return cls(**row, **slot, rewards=s("rewards", seqs), versions=s("versions", seqs),
                group_ids=s("group_ids", seqs), ref_logprobs=s("ref_logprobs", rows, slots) if with_ref else None,
-               max_len=max_len)
+               routes=s("routes", rows, length, *routes) if routes else None, max_len=max_len)
 
   def check(self, group_size: Optional[int] = None) -> "PackedBatch":
     """Raises ValueError naming the first field whose shape or dtype is wrong; returns self."""

@@ -32,16 +32,23 @@ class Layout:
   max_len: int = 0
 
   def inputs(self, batch) -> dict:
-    """The per-row arrays the forward needs (split into micro-batches with the rest of the loss inputs)."""
-    return {k: getattr(batch, k) for k in (_PACKED if self.packed else _PADDED)}
+    """The per-row arrays the forward needs (split into micro-batches with the rest of the loss inputs): with a
+    MoE rollout's recorded experts (`routes`) when it carries them."""
+    x = {k: getattr(batch, k) for k in (_PACKED if self.packed else _PADDED)}
+    if getattr(batch, "routes", None) is not None:
+      x["routes"] = batch.routes
+    return x
 
   def hidden(self, params, cfg: models.ModelConfig, x: dict) -> tuple[jax.Array, jax.Array]:
-    """Final-normed hidden states of the scored slots [rows, S', D] and their target tokens [rows, S']."""
+    """Final-normed hidden states of the scored slots [rows, S', D] and their target tokens [rows, S']; every
+    forward (policy, reference, critic) replays the batch's routes."""
+    routes = x.get("routes")
     if self.packed:
       h, _ = models.hidden_states(params, cfg, x["tokens"], positions=x["positions"],
-                                  segment_ids=x["segment_ids"], parents=x["parents"])
+                                  segment_ids=x["segment_ids"], parents=x["parents"], routes=routes)
       return jnp.take_along_axis(h, x["score_index"][..., None], axis=1), x["targets"]
-    h, _ = models.hidden_states(params, cfg, x["tokens"], input_mask=x["input_mask"].astype(bool), start=self.start)
+    h, _ = models.hidden_states(params, cfg, x["tokens"], input_mask=x["input_mask"].astype(bool), start=self.start,
+                                routes=routes)
     return h[:, :-1], x["tokens"][:, self.start + 1:]
 
   def per_slot(self, head: Callable, params, cfg: models.ModelConfig, x: dict):

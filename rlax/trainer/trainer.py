@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from rlax import algorithms
 from rlax import models
 from rlax.models import lora as lora_lib
+from rlax.models import moe
 from rlax.models import variation
 from rlax.models import sharding as shd
 from rlax.models.init import abstract_params
@@ -158,12 +159,14 @@ class Trainer:
 
   def abstract_batch(self, rows: int, seq: int, *, with_ref: bool, prompt_len: int = 0) -> RolloutBatch:
     """RolloutBatch of ShapeDtypeStructs (tokens [rows, seq]) laid out as `place` lays a real batch out."""
-    return self._as_placed(RolloutBatch.abstract(rows, seq, with_ref=with_ref, prompt_len=prompt_len))
+    return self._as_placed(RolloutBatch.abstract(rows, seq, with_ref=with_ref, prompt_len=prompt_len,
+                                                 routes=moe.replayed_routes(self.model_cfg)))
 
   def abstract_packed(self, rows: int, length: int, slots: int, seqs: int, *, with_ref: bool,
                       max_len: int = 1) -> PackedBatch:
     """PackedBatch of ShapeDtypeStructs (rows x length tokens, slots scored slots a row) as `place` lays it out."""
-    return self._as_placed(PackedBatch.abstract(rows, length, slots, seqs, with_ref=with_ref, max_len=max_len))
+    return self._as_placed(PackedBatch.abstract(rows, length, slots, seqs, with_ref=with_ref, max_len=max_len,
+                                                routes=moe.replayed_routes(self.model_cfg)))
 
   def place(self, batch):
     """The batch on the trainer mesh in ONE `jax.device_put` (rows sharded as `batch_sharding` says).

@@ -50,7 +50,7 @@ def _prefill(params, prompt, n, *, cfg, lay):
 @functools.partial(jax.jit, static_argnames=("cfg", "lay"))
 def _decode(params, cache, tok, pos, n, *, cfg, lay):
   fused = params_lib.fuse(params, cfg, stacked=False)
-  return step.decode_step(fused, cfg, lay, cache, tok, pos, n, jnp.ones(tok.shape, bool), 1)
+  return step.decode_step(fused, cfg, lay, cache, tok, pos, n, jnp.ones(tok.shape, bool), 1)[:2]
 
 
 @pytest.mark.parametrize("name", sorted(CFGS))

@@ -93,7 +93,7 @@ STARTS = np.array([0, 2, 5, 1])  # slot s joins at step STARTS[s]: slots sit at 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnums=1)
 def _step(params, cache, tok, pos, live, *, cfg, layout):
   fused = params_lib.fuse(params, cfg, stacked=cfg.scan_layers, concat=False)
-  return step_lib.decode_step(fused, cfg, layout, cache, tok, pos, jnp.zeros_like(pos), live, 1)
+  return step_lib.decode_step(fused, cfg, layout, cache, tok, pos, jnp.zeros_like(pos), live, 1)[:2]
 
 
 def _params(cfg):
