@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from rlax.models import expert_parallel
 from rlax.models.config import ModelConfig, MoEConfig
 
 # Routing replay: a token's recorded experts are ids in ROUTE_DTYPE (n_experts <= 255: MoEConfig checks it);
@@ -70,26 +71,29 @@ def _swiglu(x, gate, up, down, matmul):
 
 def _blocks(x: Float[Array, "M D"], w: Float[Array, "E D F"], sizes: Int[Array, "E"]) -> Float[Array, "M F"]:
   """ragged_dot's result, computed in blocks of rows that belong to one group each: every group padded to a
-  multiple of the block, and each block multiplied by its group's weights (at most E - 1 blocks of padding)."""
+  multiple of the block, and each block multiplied by its group's weights (at most E blocks of padding). Rows
+  past the groups (sum(sizes) < M) are a last group whose result is 0, as ragged_dot's."""
   m, d = x.shape
   e = w.shape[0]
   block = 8  # about a group's mean size (decode steps route few rows), at most 128 rows
   while block < 128 and block * e < m:
     block *= 2
-  n_blocks = -(-(m + e * (block - 1)) // block)
+  n_blocks = -(-(m + (e + 1) * (block - 1)) // block)
+  sizes = jnp.concatenate([sizes, (m - jnp.sum(sizes))[None]])
   padded = -(-sizes // block) * block
   ends_p, ends = jnp.cumsum(padded), jnp.cumsum(sizes)
   rows = jnp.arange(m)
   group = jnp.searchsorted(ends, rows, side="right")
   at = (ends_p - padded)[group] + rows - (ends - sizes)[group]
   xb = jnp.zeros((n_blocks * block, d), x.dtype).at[at].set(x).reshape(n_blocks, block, d)
-  block_group = jnp.minimum(jnp.searchsorted(ends_p, jnp.arange(n_blocks) * block, side="right"), e - 1)
-  y = jnp.einsum("nbd,ndf->nbf", xb, w[block_group])
+  block_group = jnp.searchsorted(ends_p, jnp.arange(n_blocks) * block, side="right")
+  y = jnp.einsum("nbd,ndf->nbf", xb, w[jnp.minimum(block_group, e - 1)])
+  y = jnp.where((block_group < e)[:, None, None], y, 0)
   return y.reshape(n_blocks * block, -1)[at]
 
 
 def grouped_matmul(x: Float[Array, "M D"], w: Float[Array, "E D F"], sizes: Int[Array, "E"]) -> Float[Array, "M F"]:
-  """Rows sorted by group (sizes[g] consecutive rows each) times their group's weights. On TPU
+  """Rows sorted by group (sizes[g] consecutive rows each; rows past them: 0) times their group's weights. On TPU
   `jax.lax.ragged_dot` lowers to a grouped matmul kernel; XLA:CPU lowers it as every group against every row
   (E times the FLOPs), so elsewhere the rows are multiplied in blocks of one group each: on this CPU at 8
   experts, 4096 rows, 576 x 1536, 2.4x faster than ragged_dot forward and 3.3x with the backward."""
@@ -100,8 +104,9 @@ def grouped_matmul(x: Float[Array, "M D"], w: Float[Array, "E D F"], sizes: Int[
 
 def expert_mlp(w: dict[str, Any], x: Float[Array, "N D"], experts: Int[Array, "N k"],
                weights: Float[Array, "N k"], matmul=None) -> Float[Array, "N D"]:
-  """Σ_j weights[:, j] · expert_{experts[:, j]}(x), as grouped matmuls over the pairs sorted by expert.
-  matmul(x, w, sizes): the grouped matmul (default `grouped_matmul`; bench/moe.py compares ragged_dot)."""
+  """Σ_j weights[:, j] · expert_{experts[:, j]}(x), as grouped matmuls over the pairs sorted by expert (an id
+  >= E: no expert here, 0). matmul(x, w, sizes): the grouped matmul (default `grouped_matmul`; bench/moe.py
+  compares ragged_dot)."""
   k = experts.shape[1]
   n_experts = w["experts_gate"].shape[0]
   flat = experts.reshape(-1)
@@ -120,7 +125,7 @@ def routed(cfg: ModelConfig, w: dict[str, Any], h: Float[Array, "B T D"],
   lead, d = h.shape[:-1], h.shape[-1]
   x = h.reshape(-1, d)
   logits, chosen, weights = route(cfg, w["router"], x, None if experts is None else experts.reshape(x.shape[0], -1))
-  out = expert_mlp(w, x, chosen, weights)
+  out = expert_parallel.experts(w, x, chosen, weights, expert_mlp)
   if cfg.moe.shared_mlp_dim:
     shared = _swiglu(x, w["shared_gate"], w["shared_up"], w["shared_down"], jnp.dot)
     out = out + jax.nn.sigmoid(jnp.dot(x, w["shared_router"])).astype(x.dtype) * shared

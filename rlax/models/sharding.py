@@ -26,7 +26,7 @@ RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("heads", ("tensor",)),
     ("kv_heads", ("tensor",)),
     ("mlp", ("tensor",)),
-    ("experts", ()),
+    ("experts", ("fsdp",)),  # expert parallelism (rlax.models.expert_parallel)
     ("expert_mlp", ("tensor",)),
     ("head_dim", ()),
     ("layers", ()),

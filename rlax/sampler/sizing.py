@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlax import models
+from rlax.models import moe
 from rlax.models import sharding as shd
 from rlax.sampler import params as params_lib
 
@@ -50,6 +51,16 @@ def kv_bytes(cfg: models.ModelConfig, layout, slots: int, mesh=None) -> int:
   return tree_bytes(shapes, layout.shardings(cfg, mesh, slots) if mesh is not None else None)
 
 
+def route_bytes(cfg: models.ModelConfig, slots: int, length: int, mesh=None) -> int:
+  """Per-device bytes of the routes the slots record (rlax.sampler.slots.SlotState.routes: [slots, length, L, k]
+  uint8, rows over the row shards) when the model replays them, else 0."""
+  shape = moe.replayed_routes(cfg)
+  if shape is None:
+    return 0
+  x = jax.ShapeDtypeStruct((slots, length, *shape), moe.ROUTE_DTYPE)
+  return tree_bytes(x, None if mesh is None else shd.batch_sharding(mesh, slots, 4))
+
+
 def recompute_bytes(cfg: models.ModelConfig, slots: int, length: int, mesh=None) -> int:
   """Per-device bytes of the keys and values a recompute (or a prefill of `slots` rows) holds before the layout
   takes them: [L, slots, length, K, Dh] twice, rows over the batch axes, KV heads over 'tensor'."""
@@ -68,10 +79,10 @@ def weight_bytes(cfg: models.ModelConfig, mesh=None) -> int:
 
 
 def sampler_memory(cfg: models.ModelConfig, layout, slots: int, length: int, mesh=None) -> dict[str, int]:
-  """Per-device bytes by item: the KV cache, the recompute transient (as big as a dense cache of every
-  slot's whole sequence), one version of the weights."""
-  return dict(cache=kv_bytes(cfg, layout, slots, mesh), transient=recompute_bytes(cfg, slots, length, mesh),
-              params=weight_bytes(cfg, mesh))
+  """Per-device bytes by item: the KV cache (with a MoE's recorded routes), the recompute transient (as big as a
+  dense cache of every slot's whole sequence), one version of the weights."""
+  return dict(cache=kv_bytes(cfg, layout, slots, mesh) + route_bytes(cfg, slots, length, mesh),
+              transient=recompute_bytes(cfg, slots, length, mesh), params=weight_bytes(cfg, mesh))
 
 
 def check(memory: dict[str, int], budget: int, slots: int, length: int) -> None:
