@@ -51,6 +51,14 @@ def format_table(t: dict) -> str:
             f"{push['per_chip_transport_bytes'] / 1e6:.3g} MB/chip over {push['link'].upper()} "
             f"({_t(push['cross_s'])}), gather to {push['per_chip_sampler_bytes'] / 1e9:.3g} GB/chip over ICI "
             f"({_t(push['gather_s'])})"]
+  if "experts" in e:
+    x = e["experts"]
+    mesh = lambda m: (f"{m['experts_per_chip']} a chip over {'x'.join(m['axes'])} (EP {m['group']})" if m["axes"]
+                      else "every expert on every chip (no mesh axis divides them)")
+    lines.append(f"experts: trainer {mesh(x['trainer'])}, sampler {mesh(x['sampler'])}; token exchange "
+                 f"(all-gather + reduce-scatter) {x['trainer']['bytes'] / 1e9:.3g} GB/chip per train step "
+                 f"(~ {_t(x['train_s'])} over ICI), {x['sampler']['bytes'] / 1e6:.3g} MB/chip per decode step "
+                 f"(~ {_t(x['decode_s'])})")
   if "lora" in e:
     lo, base = e["lora"], e["push_base_once"]
     lines.append(f"LoRA rank {lo['rank']} ({lo['adapter_params'] / 1e6:.3g} M adapter params): a push is "

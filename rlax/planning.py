@@ -44,7 +44,8 @@ from rlax import config as config_lib
 from rlax import models
 from rlax import planning_programs as lowerings
 from rlax import planning_sync
-from rlax.models import variation
+from rlax.models import expert_parallel, variation
+from rlax.models import sharding as shd
 from rlax.multihost import CrossMeshPush
 from rlax.sampler import Sampler, sizing
 from rlax.topology import Topology, build_topology
@@ -273,6 +274,8 @@ def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[P
   slices = {getattr(d, "slice_index", 0) for d in topo.devices_of(topo.assignment.trainer)}
   cross_dcn = not slices & {getattr(d, "slice_index", 0) for d in topo.devices_of(topo.assignment.sampler)}
   estimates.update(planning_sync.estimates(c, sampler, chip, cross_dcn and not topo.colocated))
+  if cfg.moe is not None:
+    estimates.update(experts=_expert_exchange(c, cfg, topo, sampler, chip))
   table = dict(
       config=dict(model=c.model_preset, params=cfg.num_params(), devices=len(devices),
                   topology=f"{c.plan.topology} x {c.plan.num_slices}", chip=chip.name,
@@ -297,6 +300,19 @@ def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[P
       compile_s={q.name: round(q.compile_s, 2) for q in progs},
   )
   return table
+
+
+def _expert_exchange(c, cfg: models.ModelConfig, topo: Topology, sampler: Sampler, chip: Chip) -> dict[str, Any]:
+  """Where the experts split on each mesh and the tokens they exchange per chip (rlax.models.expert_parallel):
+  a train step (every token of the batch, forward + backward, + the remat forward) and a decode step."""
+  r = c.rollout
+  tm, sm = dict(topo.trainer_mesh.shape), dict(topo.sampler_mesh.shape)
+  train_tokens = r.rows * (r.max_prompt_len + r.max_new_tokens) // shd.row_shards(topo.trainer_mesh, r.rows)
+  train = expert_parallel.exchange_bytes(cfg, tm, train_tokens, 3 if cfg.remat else 2)
+  decode = expert_parallel.exchange_bytes(cfg, sm, sampler.slots // shd.row_shards(topo.sampler_mesh,
+                                                                                          sampler.slots), 1)
+  return dict(trainer=train, sampler=decode, train_s=train["bytes"] / chip.ici_bw,
+              decode_s=decode["bytes"] / chip.ici_bw)
 
 
 _KNOBS = {

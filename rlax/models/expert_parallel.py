@@ -70,3 +70,18 @@ def experts(w: dict[str, Any], x: Float[Array, "N D"], chosen: Int[Array, "N k"]
   specs = (row, row, row) + tuple(wide(nm) for nm in names)
   return jax.shard_map(per_device, in_specs=specs, out_specs=row, check_vma=False)(
       x, chosen, weights, *(w[nm] for nm in names))
+
+
+def exchange_bytes(cfg, mesh_shape: dict[str, int], tokens_per_chip: int, passes: int) -> dict[str, Any]:
+  """What `experts` moves per chip for `tokens_per_chip` tokens through every MoE layer `passes` times (a
+  forward 1; a train step 2, 3 with remat: the backward of a gather is a scatter of the same size): the
+  all-gather of the group's tokens (with their experts and gate weights) and the reduce-scatter of the
+  results, each (G - 1) x tokens x row bytes for an EP group of G chips. The planner's figure."""
+  ep = expert_axes(mesh_shape, cfg.moe.n_experts)
+  group = 1
+  for a in ep:
+    group *= mesh_shape[a]
+  row = cfg.d_model * cfg.jnp_dtype.itemsize
+  per_pass = (group - 1) * tokens_per_chip * (2 * row + cfg.moe.top_k * 8)
+  return dict(axes=list(ep), group=group, experts_per_chip=cfg.moe.n_experts // group,
+              bytes=float(per_pass * cfg.n_layers * passes))

@@ -1,0 +1,127 @@
+"""Sampler/trainer mismatch of a mixture-of-experts policy, with rollout routing replay and without.
+
+    python bench/moe_replay.py --model=~/.cache/smollm2-moe-4x2 --dense=~/.cache/smollm2-135m-instruct
+
+The sampler (rlax's engine, compute dtype --sampler_dtype: bfloat16 and float32 by default) draws
+--samples answers to each of --prompts arithmetic prompts (the SmolLM2 task's, with the model's chat
+template); the trainer's forward (float32, the padded layout the trainer runs) scores every sampled token,
+replaying the sampler's recorded routes or routing by its own router. Per sampler dtype:
+
+  expert_set_mismatch_tokens: share of fed tokens whose top-k expert set differs between the sampler's
+    record and the f32 trainer's own routing in at least one layer; _layer_tokens: the share of
+    (token, layer) pairs that differ.
+  logp_gap_{replay,none}: mean |trainer log-prob - behaviour log-prob| over sampled tokens;
+  kl_{replay,none}: KL(sampler || trainer) on them, the k3 estimator mean(r - 1 - log r), r = p_trainer / p_sampler.
+  dense_logp_gap, dense_kl: the same for --dense (a dense model: nothing to replay), the floor replay aims at.
+
+With replay the trainer's experts are the sampler's by construction: the table measures what remains. The last
+output line is one JSON object.
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+flags.DEFINE_string("model", "~/.cache/smollm2-moe-4x2", "HF directory of the MoE policy")
+flags.DEFINE_string("dense", "", "HF directory of a dense model to compare (e.g. the one upcycled)")
+flags.DEFINE_list("sampler_dtype", ["bfloat16", "float32"], "sampler compute dtypes to measure")
+flags.DEFINE_integer("prompts", 16, "prompts")
+flags.DEFINE_integer("samples", 4, "samples per prompt")
+flags.DEFINE_integer("new_tokens", 48, "new tokens per sample at most")
+flags.DEFINE_integer("seed", 0, "sampling seed")
+FLAGS = flags.FLAGS
+PROMPT_LEN = 48
+
+
+def _prompts(tok):
+  from rlax.data import synthetic
+  from rlax.data.prompts import PromptRenderer
+  render = PromptRenderer(tok, template="auto", system_prompt="You are a calculator. Reply with the result only.",
+                          instruction="{prompt}")
+  return render.encode_all(synthetic.generate("arithmetic", FLAGS.prompts, difficulty=1, seed=FLAGS.seed + 1))
+
+
+def _own_routes(params, cfg, batch):
+  """The f32 trainer's own top-k experts [B, T, L, k] at the batch's real tokens (else NO_ROUTE): a forward of
+  each row's real tokens."""
+  from rlax.models import moe
+  from rlax.sampler import step
+  mask = np.asarray(batch.input_mask)
+  B, T = mask.shape
+  n = mask.sum(1)
+  seq = np.zeros((B, int(n.max())), np.int32)
+  for b in range(B):
+    seq[b, :n[b]] = np.asarray(batch.tokens[b])[mask[b]]
+  fwd = jax.jit(lambda p, s, c: step.forward(p, cfg, s, jnp.zeros_like(c), c)[3])
+  chosen = np.moveaxis(np.asarray(fwd(params, jnp.asarray(seq), jnp.asarray(n, jnp.int32))), 0, 2)  # [B, Tc, L, k]
+  out = np.full((B, T, *chosen.shape[2:]), moe.NO_ROUTE, np.uint8)
+  for b in range(B):
+    out[b, mask[b]] = chosen[b, :n[b]]
+  return out
+
+
+def _gap(params, cfg, batch, replay: bool) -> tuple[float, float]:
+  """(mean |Δ log-prob|, k3 KL) of the f32 trainer against the behaviour log-probs on sampled tokens."""
+  from rlax.trainer import layouts
+  b = batch if replay else batch.replace(routes=None)
+  layout = layouts.of(b)
+  lp = jax.jit(lambda p, x: layout.logprobs(p, cfg, x, chunk=128, temperature=1.0))(
+      params, layout.inputs(jax.tree.map(jnp.asarray, b)))
+  m = np.asarray(batch.loss_mask) > 0
+  d = (np.asarray(lp) - np.asarray(batch.behaviour_logprobs))[m]
+  return float(np.abs(d).mean()), float(np.mean(np.exp(d) - 1 - d))
+
+
+def _rollouts(params, cfg, dtype, prompts):
+  from rlax import sampler as S
+  from rlax.rollout import packing
+  sm = S.Sampler(cfg.replace(dtype=dtype), max_prompt_len=PROMPT_LEN, max_new_tokens=FLAGS.new_tokens,
+                 slots=FLAGS.prompts * FLAGS.samples, decode_chunk=FLAGS.new_tokens, params=params)
+  out = jax.device_get(sm.generate(prompts, samples_per_prompt=FLAGS.samples, strategy=S.Temperature(1.0),
+                                   seed=FLAGS.seed))
+  return packing.pack(out, np.zeros(out.tokens.shape[0], np.float32), PROMPT_LEN)
+
+
+def main(_):
+  from rlax.models import hf, moe
+  path = os.path.expanduser(FLAGS.model)
+  cfg, params = hf.load_checkpoint(path)
+  cfg = cfg.replace(dtype="float32", param_dtype="float32",
+                    moe=dataclasses.replace(cfg.moe, routing_replay="rollout"))
+  prompts = _prompts(hf.load_tokenizer(path))
+  dense = None
+  if FLAGS.dense:
+    dense = hf.load_checkpoint(os.path.expanduser(FLAGS.dense))
+    dense = (dense[0].replace(dtype="float32", param_dtype="float32"), dense[1])
+  result = {"model": path, "params": cfg.num_params(), "experts": cfg.moe.n_experts, "top_k": cfg.moe.top_k,
+            "layers": cfg.n_layers, "route_bytes_per_token": int(np.prod(moe.replayed_routes(cfg))),
+            "prompts": FLAGS.prompts, "samples": FLAGS.samples}
+  for dt in FLAGS.sampler_dtype:
+    batch = _rollouts(params, cfg, dt, prompts)
+    rec = np.asarray(batch.routes)
+    own = _own_routes(params, cfg, batch)
+    fed = np.all(rec != moe.NO_ROUTE, axis=(2, 3))
+    differ = np.any(np.sort(rec, -1) != np.sort(own, -1), axis=-1)[fed]  # [tokens, L]
+    row = {"sampled_tokens": int(np.asarray(batch.loss_mask).sum()), "fed_tokens": int(fed.sum()),
+           "expert_set_mismatch_tokens": float(differ.any(-1).mean()),
+           "expert_set_mismatch_layer_tokens": float(differ.mean())}
+    for replay in (True, False):
+      gap, kl = _gap(params, cfg, batch, replay)
+      key = "replay" if replay else "none"
+      row[f"logp_gap_{key}"], row[f"kl_{key}"] = gap, kl
+    if dense is not None:
+      dbatch = _rollouts(dense[1], dense[0], dt, prompts)
+      row["dense_logp_gap"], row["dense_kl"] = _gap(dense[1], dense[0], dbatch, True)
+    result[dt] = row
+    print(f"sampler {dt}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                        for k, v in row.items()), flush=True)
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  app.run(main)

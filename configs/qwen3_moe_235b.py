@@ -1,0 +1,27 @@
+"""Qwen3-235B-A22B (94 layers, d 4096, 128 experts top-8, expert MLP 1536) on 2 slices of v5p:8x8x8 (1024
+chips, the paper's machine), 16k sequences, with rollout routing replay.
+
+  python -m launch.plan --config=configs/qwen3_moe_235b.py
+  python -m launch.plan --config=configs/qwen3_moe_235b.py:tiny   # the same structure on 8 local CPU devices
+
+Slice 0 (512 chips) trains with FSDP 64 x tensor 8: experts over 'fsdp' (expert parallelism 64, two experts a
+chip), the expert MLP over 'tensor'. Slice 1 (512 chips) samples with data 8 x fsdp 8 x tensor 8: 16 experts a
+chip (EP 8), the weights 1/64 a chip.
+"""
+
+from configs import paper_qwq32b, qwen3_moe_30b
+
+
+def get_config(arg: str | None = None):
+  c = paper_qwq32b.get_config()
+  c.workdir = "runs/qwen3_moe_235b"
+  c.model.preset = "qwen3_moe_235b"
+  c.model.overrides = dict(scan_layers=True, remat=True)
+  c.topology.trainer_mesh = dict(data=1, fsdp=-1, tensor=8)
+  c.topology.sampler_mesh = dict(data=-1, fsdp=8, tensor=8)
+  c.plan = paper_qwq32b.plan_fields("v5p:8x8x8", 2)
+  if arg == "tiny":
+    qwen3_moe_30b.shrink_moe(c)
+  elif arg:
+    raise ValueError(f"configs/qwen3_moe_235b.py: unknown argument {arg!r}; use 'tiny'")
+  return c
