@@ -24,11 +24,17 @@ from rlax.models import sharding, transformer
 from rlax.models.config import ModelConfig
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# A mixture of experts: its dense shared expert (Qwen2-MoE) takes adapters; routed experts do not (an adapter
+# per expert would be E times the adapter state, and a shared one across experts would make them alike).
+SHARED_EXPERT = ("shared_gate", "shared_up", "shared_down")
 # The Hugging Face module each target adapts (PEFT's target_modules and tensor names).
 HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+              "shared_gate": "mlp.shared_expert.gate_proj", "shared_up": "mlp.shared_expert.up_proj",
+              "shared_down": "mlp.shared_expert.down_proj"}
 # How many of a target's dims (after the layer axis) are its input: o is [heads, head_dim, embed].
-_IN_DIMS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+_IN_DIMS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1, "shared_gate": 1, "shared_up": 1,
+            "shared_down": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,16 +62,17 @@ class LoraConfig:
       raise ValueError(f"model.lora.alpha={self.alpha} must be > 0")
     if self.dropout != 0.0:
       raise ValueError(f"model.lora.dropout={self.dropout}: only 0 is supported (the sampler runs merged weights)")
-    bad = [t for t in self.targets if t not in TARGETS]
+    bad = [t for t in self.targets if t not in TARGETS + SHARED_EXPERT]
     if bad or (self.enabled and not self.targets):
-      raise ValueError(f"model.lora.targets={list(self.targets)}: choose from {', '.join(TARGETS)}")
+      raise ValueError(f"model.lora.targets={list(self.targets)}: choose from {', '.join(TARGETS + SHARED_EXPERT)}")
     return self
 
 
 def parse_targets(spec: Any) -> tuple[str, ...]:
-  """"all", "attention", "mlp", or a comma-separated list / sequence of target names."""
+  """"all", "attention", "mlp", "shared_expert", or a comma-separated list / sequence of target names."""
   if isinstance(spec, str):
-    named = {"all": TARGETS, "attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}
+    named = {"all": TARGETS, "attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down"),
+             "shared_expert": SHARED_EXPERT}
     return named.get(spec, tuple(t.strip() for t in spec.split(",") if t.strip()))
   return tuple(spec)
 
@@ -82,7 +89,8 @@ def _adapters_of(full: dict, lora: LoraConfig, rank_entry) -> dict:
   missing = [t for t in lora.targets if t not in full]
   if missing:  # routed experts have no gate/up/down of their own (rlax.models.moe)
     raise ValueError(f"model.lora.targets: {', '.join(missing)} is not a weight of this model (on a mixture of "
-                     "experts LoRA adapts attention: targets='attention')")
+                     "experts LoRA adapts attention and a shared expert, not the routed experts: "
+                     "targets='attention' or 'q,k,v,o,shared_gate,shared_up,shared_down')")
   for t in lora.targets:
     lead, *dims = full[t]
     n = _IN_DIMS[t]
@@ -180,6 +188,9 @@ def to_peft(adapters: dict) -> dict:
 
 def peft_config(lora: LoraConfig, base_model: str = "") -> dict:
   return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-          "lora_dropout": lora.dropout, "target_modules": sorted(HF_MODULES[t].split(".")[-1] for t in lora.targets),
+          "lora_dropout": lora.dropout,
+          # PEFT matches a module name's suffix: "gate_proj" alone would also adapt every routed expert.
+          "target_modules": sorted(".".join(HF_MODULES[t].split(".")[-2 if t in SHARED_EXPERT else -1:])
+                                   for t in lora.targets),
           "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True,
           "modules_to_save": None, "base_model_name_or_path": base_model}

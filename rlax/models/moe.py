@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from rlax.models import expert_parallel
+from rlax.models import expert_parallel, linear
 from rlax.models.config import ModelConfig, MoEConfig
 
 # Routing replay: a token's recorded experts are ids in ROUTE_DTYPE (n_experts <= 255: MoEConfig checks it);
@@ -134,8 +134,8 @@ def routed(cfg: ModelConfig, w: dict[str, Any], h: Float[Array, "B T D"],
   x = h.reshape(-1, d)
   logits, chosen, weights = route(cfg, w["router"], x, None if experts is None else experts.reshape(x.shape[0], -1))
   out = expert_parallel.experts(w, x, chosen, weights, expert_mlp)
-  if cfg.moe.shared_mlp_dim:
-    shared = _swiglu(x, w["shared_gate"], w["shared_up"], w["shared_down"], jnp.dot)
+  if cfg.moe.shared_mlp_dim:  # dense: its weights may carry LoRA adapters (routed experts never do)
+    shared = _swiglu(x, w["shared_gate"], w["shared_up"], w["shared_down"], linear.dense)
     out = out + jax.nn.sigmoid(jnp.dot(x, w["shared_router"])).astype(x.dtype) * shared
   return (out.reshape(*lead, d), logits.reshape(*lead, -1), chosen.reshape(*lead, -1))
 

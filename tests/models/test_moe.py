@@ -226,3 +226,26 @@ def test_grouped_matmul_equals_ragged_dot(rows, sizes):
   loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w, s)))
   for a, b in zip(jax.grad(loss(moe.grouped_matmul), (0, 1))(x, w), jax.grad(loss(jax.lax.ragged_dot), (0, 1))(x, w)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_lora_adapts_attention_and_the_shared_expert_never_the_routed_ones():
+  """Qwen2-MoE: adapters on attention and the shared expert; training (attach) and sampling (merge) compute the
+  same logits, the adapters get gradients, and asking for the routed experts' MLP is one clear error."""
+  from rlax.models import lora as lora_lib
+  cfg = EXPORT_CFGS["qwen2_moe"]
+  params = M.create_params(cfg, seed=1)
+  lo = lora_lib.LoraConfig(rank=4, alpha=8.0, targets=lora_lib.parse_targets("q,k,v,o,shared_gate,shared_up,"
+                                                                            "shared_down")).validate()
+  ad = lora_lib.init(cfg, lo, jax.random.key(0))
+  ad = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(5), x.shape), ad)  # B != 0
+  tokens = U.random_tokens()
+  attached, _ = M.forward(lora_lib.attach(params, ad, lo), cfg, tokens)
+  merged, _ = M.forward(lora_lib.merge(params, ad, lo), cfg, tokens)
+  base, _ = M.forward(params, cfg, tokens)
+  np.testing.assert_allclose(attached, merged, atol=1e-4 * float(jnp.abs(merged).max()))
+  assert float(jnp.abs(attached - base).max()) > 1e-3
+  grads = jax.grad(lambda a: jnp.sum(M.forward(lora_lib.attach(params, a, lo), cfg, tokens)[0] ** 2))(ad)
+  assert all(float(jnp.abs(grads["layers"][t]["b"]).max()) > 0 for t in lo.targets)
+  assert "shared_expert.gate_proj" in lora_lib.peft_config(lo)["target_modules"]
+  with pytest.raises(ValueError, match="not the routed experts"):
+    lora_lib.shapes(cfg, lora_lib.LoraConfig(rank=4, targets=("gate",)))
