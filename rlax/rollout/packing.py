@@ -50,9 +50,8 @@ def pack(out: SampleOutput, rewards: np.ndarray, prompt_len: int, forks=None) ->
   batch has the same static shape (no trainer recompiles, fixed checkpoint
   shapes); the behaviour log-prob of response token j sits at index P-1+j,
   where token_logprobs scores it. Tokens the policy did not sample (appended by `Stream.extend`) get loss
-  mask 0. forks [B, N]: where a response starts a new segment (multi-turn episodes split into rows). A MoE
-  sampler's routes ride along per token, laid out as the tokens.
-  """
+  mask 0. forks [B, N]: where a response starts a new segment (multi-turn episodes split into rows). Routes
+  (MoE) ride along, laid out as the tokens."""
   prompt, pmask = np.asarray(out.prompt_tokens), np.asarray(out.prompt_mask)
   if prompt.shape[1] > prompt_len:
     raise ValueError(f"prompt bucket {prompt.shape[1]} exceeds the batch prompt length {prompt_len}")
@@ -74,10 +73,8 @@ def pack(out: SampleOutput, rewards: np.ndarray, prompt_len: int, forks=None) ->
   loss_mask[:, P - 1:] *= np.asarray(out.sampled) & rmask
   if forks is not None:
     forks = np.concatenate([np.zeros((B, P), np.int32), np.where(rmask, np.asarray(forks, np.int32), 0)], axis=1)
-  routes = out.routes
-  if routes is not None:
-    routes = np.asarray(routes)
-    routes = np.pad(routes, ((0, 0), (extra, 0), (0, 0), (0, 0)), constant_values=moe.NO_ROUTE)
+  routes = None if out.routes is None else np.pad(np.asarray(out.routes), ((0, 0), (extra, 0), (0, 0), (0, 0)),
+                                                  constant_values=moe.NO_ROUTE)
   return RolloutBatch(tokens=tokens, input_mask=input_mask, loss_mask=loss_mask,
                       behaviour_logprobs=blp, rewards=np.asarray(rewards, np.float32), versions=row_version,
                       group_ids=np.asarray(out.prompt_ids, np.int32), forks=forks, routes=routes, prompt_len=P)
@@ -179,8 +176,7 @@ def pack_tokens(batch: RolloutBatch, row_len: int | PackedShape, *, share_prompt
   attend to it (the same hidden states and gradients as separate copies, computed once). `row_len` a
   `PackedShape`: exactly its rows and slots (a row holds at most `slots` scored slots; ValueError if the batch
   needs more rows); an int: `row_bucket(rows, row_multiple)` rows and `slot_bucket` slots. Sequences with no
-  response token get no slots. Raises ValueError naming the knob if a sequence does not fit.
-  """
+  response token get no slots. Raises ValueError naming the knob if a sequence does not fit."""
   fixed = row_len if isinstance(row_len, PackedShape) else None
   row_len = fixed.length if fixed else row_len
   slot_cap = fixed.slots if fixed else row_len
@@ -256,10 +252,8 @@ def pack_tokens(batch: RolloutBatch, row_len: int | PackedShape, *, share_prompt
       sid += 1
       parent = sid
       out["tokens"][r, o:o + p], out["positions"][r, o:o + p], out["segment_ids"][r, o:o + p] = prompt, np.arange(p), sid
-      if routes is not None:  # a shared prompt's copy: its first member's routes (equal prompts route alike)
-        b0 = members[0]
-        P0 = batch.prompt_len
-        out["routes"][r, o:o + p] = routes[b0, :P0][np.asarray(batch.input_mask[b0, :P0], bool)]
+      if routes is not None:  # its first member's (left-padded) prompt routes: equal prompts route alike
+        out["routes"][r, o:o + p] = routes[members[0], batch.prompt_len - p:batch.prompt_len]
       last, o = o + p - 1, o + p
       for b in members:
         _, P, n = seqs[b]
