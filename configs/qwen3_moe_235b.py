@@ -20,6 +20,7 @@ def get_config(arg: str | None = None):
   c.topology.trainer_mesh = dict(data=1, fsdp=-1, tensor=8)
   c.topology.sampler_mesh = dict(data=-1, fsdp=8, tensor=8)
   c.plan = paper_qwq32b.plan_fields("v5p:8x8x8", 2)
+  c.rollout.on_swap = "keep"      # weights swap between chunks; no recompute of every slot's context
   if arg == "tiny":
     qwen3_moe_30b.shrink_moe(c)
   elif arg:
