@@ -1,6 +1,7 @@
 """Sampler/trainer mismatch of a mixture-of-experts policy, with rollout routing replay and without.
 
-    python bench/moe_replay.py --model=~/.cache/smollm2-moe-4x2 --dense=~/.cache/smollm2-135m-instruct
+    python bench/moe_replay.py --model=~/.cache/smollm2-moe-4x2 --dense=~/.cache/smollm2-135m-instruct \
+      --expert_noise=0.05
 
 The sampler (rlax's engine, compute dtype --sampler_dtype: bfloat16 and float32 by default) draws
 --samples answers to each of --prompts arithmetic prompts (the SmolLM2 task's, with the model's chat
@@ -34,6 +35,8 @@ flags.DEFINE_integer("prompts", 16, "prompts")
 flags.DEFINE_integer("samples", 4, "samples per prompt")
 flags.DEFINE_integer("new_tokens", 48, "new tokens per sample at most")
 flags.DEFINE_integer("seed", 0, "sampling seed")
+flags.DEFINE_float("expert_noise", 0.0, "multiply each expert's weights by 1 + N(0, this^2) noise (an upcycled "
+                   "model's experts are copies: noise makes them differ, as training does)")
 FLAGS = flags.FLAGS
 PROMPT_LEN = 48
 
@@ -93,6 +96,12 @@ def main(_):
   cfg, params = hf.load_checkpoint(path)
   cfg = cfg.replace(dtype="float32", param_dtype="float32",
                     moe=dataclasses.replace(cfg.moe, routing_replay="rollout"))
+  if FLAGS.expert_noise:
+    keys = iter(jax.random.split(jax.random.key(FLAGS.seed + 7), 3))
+    lay = dict(params["layers"])
+    for name in ("experts_gate", "experts_up", "experts_down"):
+      lay[name] = lay[name] * (1 + FLAGS.expert_noise * jax.random.normal(next(keys), lay[name].shape))
+    params = {**params, "layers": lay}
   prompts = _prompts(hf.load_tokenizer(path))
   dense = None
   if FLAGS.dense:
@@ -100,7 +109,7 @@ def main(_):
     dense = (dense[0].replace(dtype="float32", param_dtype="float32"), dense[1])
   result = {"model": path, "params": cfg.num_params(), "experts": cfg.moe.n_experts, "top_k": cfg.moe.top_k,
             "layers": cfg.n_layers, "route_bytes_per_token": int(np.prod(moe.replayed_routes(cfg))),
-            "prompts": FLAGS.prompts, "samples": FLAGS.samples}
+            "prompts": FLAGS.prompts, "samples": FLAGS.samples, "expert_noise": FLAGS.expert_noise}
   for dt in FLAGS.sampler_dtype:
     batch = _rollouts(params, cfg, dt, prompts)
     rec = np.asarray(batch.routes)
