@@ -22,7 +22,10 @@ def get_config(arg: str | None = None):
   c = smollm2.get_config("smoke" if arg == "smoke" else None)
   c.workdir = "runs/smollm2_moe" + {"smoke": "_smoke", "no_replay": "_no_replay"}.get(arg or "", "")
   c.model.hf_checkpoint = os.path.expanduser("~/.cache/smollm2-moe-4x2")
-  c.model.overrides = dict(dtype="float32", moe=dict(routing_replay="none" if arg == "no_replay" else "rollout"))
+  # Layers scanned and rematerialized: without remat the step keeps every layer's expert blocks for the backward
+  # (rlax.models.moe.block_weight_bytes) and the run needs ~21 GiB; with it ~15.
+  c.model.overrides = dict(dtype="float32", remat=True, scan_layers=True,
+                           moe=dict(routing_replay="none" if arg == "no_replay" else "rollout"))
   if arg not in (None, "", "smoke", "no_replay"):
     raise ValueError(f"configs/smollm2_moe.py: unknown argument {arg!r}; use 'smoke' or 'no_replay'")
   return c

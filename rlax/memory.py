@@ -37,6 +37,7 @@ from rlax import builders
 from rlax import models
 from rlax import run as run_lib
 from rlax.config import RunConfig
+from rlax.models import moe
 from rlax.models import sharding as shd
 from rlax.models import variation
 from rlax.sampler import layouts, sizing
@@ -178,7 +179,8 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   grads = trained * (2 if n_micro == 1 else 3)
   frozen = trainer.variation.frozen_base  # held beside what trains, and the KL reference (no second copy)
   params = trained + (_param_bytes(cfg, mesh, jnp.dtype(cfg.param_dtype).itemsize) if frozen else 0)
-  one_layer = _layer_acts(cfg, rows * seq, seq, tensor, isz, _TRAIN_PER_ELEM)
+  one_layer = (_layer_acts(cfg, rows * seq, seq, tensor, isz, _TRAIN_PER_ELEM)
+               + moe.block_weight_bytes(cfg, rows * seq, tensor, isz, platform))
   remat = cfg.remat and (cfg.scan_layers or platform != "cpu")
   if remat:  # each layer's input is kept; one layer at a time is recomputed for its backward pass
     acts = cfg.n_layers * rows * seq * cfg.d_model * isz + one_layer

@@ -75,10 +75,7 @@ def _blocks(x: Float[Array, "M D"], w: Float[Array, "E D F"], sizes: Int[Array, 
   past the groups (sum(sizes) < M) are a last group whose result is 0, as ragged_dot's."""
   m, d = x.shape
   e = w.shape[0]
-  block = 8  # about a group's mean size (decode steps route few rows), at most 128 rows
-  while block < 128 and block * e < m:
-    block *= 2
-  n_blocks = -(-(m + (e + 1) * (block - 1)) // block)
+  block, n_blocks = _block_shape(m, e)
   sizes = jnp.concatenate([sizes, (m - jnp.sum(sizes))[None]])
   padded = -(-sizes // block) * block
   ends_p, ends = jnp.cumsum(padded), jnp.cumsum(sizes)
@@ -90,6 +87,24 @@ def _blocks(x: Float[Array, "M D"], w: Float[Array, "E D F"], sizes: Int[Array, 
   y = jnp.einsum("nbd,ndf->nbf", xb, w[jnp.minimum(block_group, e - 1)])
   y = jnp.where((block_group < e)[:, None, None], y, 0)
   return y.reshape(n_blocks * block, -1)[at]
+
+
+def _block_shape(m: int, e: int) -> tuple[int, int]:
+  """(rows a block, blocks) of `_blocks` for m rows in e groups: about a group's mean size (decode steps route
+  few rows), at most 128 rows, enough blocks for every group's padding and the rows past the groups."""
+  block = 8
+  while block < 128 and block * e < m:
+    block *= 2
+  return block, -(-(m + (e + 1) * (block - 1)) // block)
+
+
+def block_weight_bytes(cfg: ModelConfig, tokens: int, tensor: int, itemsize: int, platform: str) -> int:
+  """Bytes of the expert weights a MoE layer's `_blocks` copies per block (three matmuls) for `tokens` tokens
+  off TPU, kept for the backward pass; 0 for a dense model or on TPU (ragged_dot). rlax.memory's estimate."""
+  if cfg.moe is None or platform == "tpu":
+    return 0
+  _, n_blocks = _block_shape(tokens * cfg.moe.top_k, cfg.moe.n_experts)
+  return 3 * n_blocks * cfg.d_model * -(-cfg.moe.expert_mlp_dim // tensor) * itemsize
 
 
 def grouped_matmul(x: Float[Array, "M D"], w: Float[Array, "E D F"], sizes: Int[Array, "E"]) -> Float[Array, "M F"]:
