@@ -1,5 +1,5 @@
 """Qwen3-235B-A22B (94 layers, d 4096, 128 experts top-8, expert MLP 1536) on 2 slices of v5p:8x8x8 (1024
-chips, the paper's machine), 16k sequences, with rollout routing replay.
+chips, the paper's machine), 8k sequences, with rollout routing replay.
 
   python -m launch.plan --config=configs/qwen3_moe_235b.py
   python -m launch.plan --config=configs/qwen3_moe_235b.py:tiny   # the same structure on 8 local CPU devices
@@ -7,7 +7,8 @@ chips, the paper's machine), 16k sequences, with rollout routing replay.
 Slice 0 (512 chips) trains with data 8 x FSDP 8 x tensor 8: experts over 'fsdp' (expert parallelism 8, 16
 experts a chip), the expert MLP over 'tensor'. EP 64 (FSDP 64) does not fit: the all-gather dispatch holds the
 EP group's tokens x top-k rows on every chip (64 x 16k x 8 x 4096 bf16 = 69 GB a copy; the plan stops at 234 GiB
-of temporaries). Slice 1 (512 chips) samples with data 8 x fsdp 8 x tensor 8: EP 8, the weights 1/64 a chip.
+of temporaries), and at EP 8 16k sequences need 123 GiB a chip (102 of temporaries), so sequences are 8k.
+Slice 1 (512 chips) samples with data 8 x fsdp 8 x tensor 8: EP 8, the weights 1/64 a chip.
 """
 
 from configs import paper_qwq32b, qwen3_moe_30b
@@ -20,6 +21,7 @@ def get_config(arg: str | None = None):
   c.model.overrides = dict(scan_layers=True, remat=True)
   c.topology.trainer_mesh = dict(data=8, fsdp=-1, tensor=8)
   c.topology.sampler_mesh = dict(data=-1, fsdp=8, tensor=8)
+  c.rollout.max_new_tokens = 7 * 1024
   c.plan = paper_qwq32b.plan_fields("v5p:8x8x8", 2)
   c.rollout.on_swap = "keep"      # weights swap between chunks; no recompute of every slot's context
   if arg == "tiny":
