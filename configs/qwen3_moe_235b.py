@@ -22,6 +22,7 @@ def get_config(arg: str | None = None):
   c.topology.trainer_mesh = dict(data=8, fsdp=-1, tensor=8)
   c.topology.sampler_mesh = dict(data=-1, fsdp=8, tensor=8)
   c.rollout.max_new_tokens = 7 * 1024
+  c.rollout.slots = 512
   c.plan = paper_qwq32b.plan_fields("v5p:8x8x8", 2)
   c.rollout.on_swap = "keep"      # weights swap between chunks; no recompute of every slot's context
   if arg == "tiny":
