@@ -8,7 +8,9 @@ Slice 0 (512 chips) trains with data 8 x FSDP 8 x tensor 8: experts over 'fsdp' 
 experts a chip), the expert MLP over 'tensor'. EP 64 (FSDP 64) does not fit: the all-gather dispatch holds the
 EP group's tokens x top-k rows on every chip (64 x 16k x 8 x 4096 bf16 = 69 GB a copy; the plan stops at 234 GiB
 of temporaries), and at EP 8 16k sequences need 123 GiB a chip (102 of temporaries), so sequences are 8k.
-Slice 1 (512 chips) samples with data 8 x fsdp 8 x tensor 8: EP 8, the weights 1/64 a chip.
+Slice 1 (512 chips) samples with data 16 x fsdp 8 x tensor 4: EP 8, the weights 1/32 a chip (14.7 GB); tensor 4
+because the model has 4 KV heads (on tensor 8 they would be replicated, and the admission's keys and values with
+them: the plan stops at 200 GiB).
 """
 
 from configs import paper_qwq32b, qwen3_moe_30b
@@ -20,7 +22,7 @@ def get_config(arg: str | None = None):
   c.model.preset = "qwen3_moe_235b"
   c.model.overrides = dict(scan_layers=True, remat=True)
   c.topology.trainer_mesh = dict(data=8, fsdp=-1, tensor=8)
-  c.topology.sampler_mesh = dict(data=-1, fsdp=8, tensor=8)
+  c.topology.sampler_mesh = dict(data=-1, fsdp=8, tensor=4)
   c.rollout.max_new_tokens = 7 * 1024
   c.rollout.slots = 512
   c.plan = paper_qwq32b.plan_fields("v5p:8x8x8", 2)
