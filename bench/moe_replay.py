@@ -15,8 +15,13 @@ replaying the sampler's recorded routes or routing by its own router. Per sample
   kl_{replay,none}: KL(sampler || trainer) on them, the k3 estimator mean(r - 1 - log r), r = p_trainer / p_sampler.
   dense_logp_gap, dense_kl: the same for --dense (a dense model: nothing to replay), the floor replay aims at.
 
-With replay the trainer's experts are the sampler's by construction: the table measures what remains. The last
-output line is one JSON object.
+With replay the trainer's experts are the sampler's by construction: the table measures what remains.
+
+    python bench/moe_replay.py --timing   # what recording and replaying routes cost, on a random small MoE
+
+--timing: a random Qwen3-MoE (d 256, 4 layers, 8 experts top-2, expert MLP 256, vocab 4096): the sampler's
+generate with routes recorded against routing_replay="none", and the trainer's forward + backward of the
+log-probs with the routes replayed against without, medians of --reps. The last output line is one JSON object.
 """
 
 import dataclasses
@@ -37,6 +42,8 @@ flags.DEFINE_integer("new_tokens", 48, "new tokens per sample at most")
 flags.DEFINE_integer("seed", 0, "sampling seed")
 flags.DEFINE_float("expert_noise", 0.0, "multiply each expert's weights by 1 + N(0, this^2) noise (an upcycled "
                    "model's experts are copies: noise makes them differ, as training does)")
+flags.DEFINE_boolean("timing", False, "time recording and replay on a random small MoE instead")
+flags.DEFINE_integer("reps", 5, "--timing: timed repetitions (median) after a warm-up")
 FLAGS = flags.FLAGS
 PROMPT_LEN = 48
 
@@ -90,7 +97,61 @@ def _rollouts(params, cfg, dtype, prompts):
   return packing.pack(out, np.zeros(out.tokens.shape[0], np.float32), PROMPT_LEN)
 
 
+def _medians_s(fns: dict, reps: int) -> dict:
+  """Median seconds of each callable, timed in turns (a b a b ...) after one warm-up each, so drift in the
+  machine's speed falls on all of them alike."""
+  import statistics
+  import time
+  times = {k: [] for k in fns}
+  for fn in fns.values():
+    fn()
+  for _ in range(reps):
+    for k, fn in fns.items():
+      t0 = time.perf_counter()
+      fn()
+      times[k].append(time.perf_counter() - t0)
+  return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _timing():
+  """Sampler generate with routes recorded vs not, and the trainer's log-prob forward + backward with routes
+  replayed vs not, on a random small MoE: what replay costs."""
+  from rlax import models as M
+  from rlax import sampler as S
+  from rlax.models.config import MoEConfig
+  from rlax.rollout import packing
+  from rlax.trainer import layouts
+  cfg = M.ModelConfig(4096, 256, 4, 4, 2, 64, 1024, arch="qwen3_moe", qk_norm=True,
+                      moe=MoEConfig(n_experts=8, top_k=2, expert_mlp_dim=256))
+  params = M.create_params(cfg, seed=0)
+  rng = np.random.default_rng(0)
+  prompts = [list(rng.integers(1, 4096, 32)) for _ in range(16)]
+  gens, steps, samplers = {}, {}, {}
+  for mode in ("rollout", "none"):
+    c = cfg.replace(moe=dataclasses.replace(cfg.moe, routing_replay=mode))
+    sm = samplers[mode] = S.Sampler(c, max_prompt_len=32, max_new_tokens=32, slots=64, decode_chunk=32,
+                                    params=params)
+    gens[f"generate_s_{mode}"] = (lambda sm=sm: jax.block_until_ready(
+        sm.generate(prompts, samples_per_prompt=4, strategy=S.Temperature(1.0))))
+  batch = packing.pack(jax.device_get(samplers["rollout"].generate(prompts, samples_per_prompt=4)),
+                       np.zeros(64, np.float32), 32)
+  for replay in (True, False):
+    b = jax.tree.map(jnp.asarray, batch if replay else batch.replace(routes=None))
+    layout = layouts.of(b)
+    loss = lambda p, x, layout=layout: jnp.sum(layout.logprobs(p, cfg, x, chunk=64, temperature=1.0))
+    step, x = jax.jit(jax.value_and_grad(loss)), layout.inputs(b)
+    steps[f"train_fwd_bwd_s_{'replay' if replay else 'none'}"] = (
+        lambda step=step, x=x: jax.block_until_ready(step(params, x)))
+  out = {**_medians_s(gens, FLAGS.reps), **_medians_s(steps, FLAGS.reps)}
+  out["generate_ratio"] = out["generate_s_rollout"] / out["generate_s_none"]
+  out["train_ratio"] = out["train_fwd_bwd_s_replay"] / out["train_fwd_bwd_s_none"]
+  out["route_bytes_per_token"] = cfg.n_layers * cfg.moe.top_k
+  print(json.dumps(out))
+
+
 def main(_):
+  if FLAGS.timing:
+    return _timing()
   from rlax.models import hf, moe
   path = os.path.expanduser(FLAGS.model)
   cfg, params = hf.load_checkpoint(path)
