@@ -129,7 +129,9 @@ def _hf_model(path: str, overrides: dict) -> tuple[str, models.ModelConfig]:
   try:
     base = hf.read_config(path)
     fields = {**dataclasses.asdict(base), "param_dtype": "float32", "dtype": "bfloat16", **overrides}
-    if base.moe is not None and "moe" in overrides:  # e.g. moe.routing_replay alone: the checkpoint's experts stay
+    if "moe" in overrides and base.moe is None:
+      raise ValueError("model.overrides.moe: the checkpoint has no experts (a dense model)")
+    if "moe" in overrides:  # e.g. moe.routing_replay alone: the checkpoint's experts stay
       fields["moe"] = {**dataclasses.asdict(base.moe), **dict(overrides["moe"] or {})}
     return path, model_config.from_dict(fields)
   except (TypeError, ValueError) as e:

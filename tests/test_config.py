@@ -23,7 +23,9 @@ CONFIGS = [("base", None), ("demo", None), ("demo", "smoke"), ("demo", "tiny"),
            ("paper_qwq32b", None), ("paper_qwq32b", "32k"), ("paper_qwq32b", "tiny"), ("v5p_128", None),
            ("v5p_128", "tiny"), ("v5p_512", None), ("v5p_512", "tiny"), ("smollm2", None), ("smollm2", "smoke"), ("smollm2", "lora"),
            ("calculator_tool", None), ("calculator_tool", "control"), ("calculator_tool", "smoke"),
-           ("reasoning_gym", None), ("reasoning_gym", "smoke")]
+           ("reasoning_gym", None), ("reasoning_gym", "smoke"), ("demo", "tiny_moe"), ("smollm2_moe", None),
+           ("smollm2_moe", "smoke"), ("smollm2_moe", "no_replay"), ("qwen3_moe_30b", None), ("qwen3_moe_30b", "tiny"),
+           ("qwen3_moe_235b", None), ("qwen3_moe_235b", "tiny")]
 
 
 def test_every_config_file_is_listed():
@@ -35,7 +37,7 @@ def test_every_config_file_is_listed():
 def test_config_loads_and_validates(name, arg, tmp_path):
   cd = importlib.import_module(f"configs.{name}").get_config(arg)
   if cd.model.hf_checkpoint:  # a real model directory is not in CI: a tiny one of the same layout stands in
-    hf_models.make_dir(tmp_path, "llama", tie=True)
+    hf_models.make_dir(tmp_path, "mixtral" if "moe" in name else "llama", tie=True)
     cd.model.hf_checkpoint = str(tmp_path)
   run = config_lib.load(cd)
   assert os.path.isabs(run.workdir)

@@ -62,7 +62,10 @@ def hf_model(arch: str, tie: bool, seed: int = 0):
   kw = dict(vocab_size=67, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=3,
             num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=tie, attn_implementation="eager")
   config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
+                           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                           "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}[arch]
+  if arch == "mixtral":
+    kw.update(num_local_experts=4, num_experts_per_tok=2)
   torch.manual_seed(seed)
   model = model_cls(config_cls(**kw)).to(torch.float32).eval()
   with torch.no_grad():
@@ -90,4 +93,4 @@ def make_dir(path, arch: str, tie: bool, seed: int = 0) -> dict:
   """A random HF model of `arch` with its tokenizer in `path`; returns the tokenizer's expected ids."""
   model = hf_model(arch, tie, seed)
   model.save_pretrained(path)
-  return (llama_tokenizer if arch == "llama" else qwen_tokenizer)(path)
+  return (llama_tokenizer if arch in ("llama", "mixtral") else qwen_tokenizer)(path)
