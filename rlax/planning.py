@@ -153,7 +153,14 @@ def _no_fit(name: str, need: float, chip: Chip, what: str, knob: str) -> str:
 def _analyze(low: lowerings.Lowering, mesh_desc: str, chip: Chip, extra_s: float = 0.0) -> tuple[Program, Any]:
   """Lowers and compiles one program, reads its per-chip figures; PlanError when it does not fit."""
   t0 = time.perf_counter()
-  compiled = low.lower().compile()
+  try:
+    compiled = low.lower().compile()
+  except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses temporaries beyond HBM itself
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    act, weights = _KNOBS.get(low.base, ("smaller buckets", "more devices per role"))
+    raise PlanError(f"{low.name} does not fit: {str(e).splitlines()[0].split(': ', 1)[-1]}; try {act} or "
+                    f"{weights}") from None
   dt = time.perf_counter() - t0 + extra_s
   m = compiled.memory_analysis()
   cost = compiled.cost_analysis()

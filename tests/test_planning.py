@@ -323,3 +323,21 @@ def test_lora_plan_pushes_adapters_and_merges_into_the_pristine_base(local_plan)
   assert weights == lo["sampler_pristine_bytes_per_chip"]
   assert weights <= progs["sampler_merge"]["output_bytes"] <= weights + 1024  # + the output tuple's pointers
   assert weights <= progs["sampler_merge"]["argument_bytes"]
+
+
+def test_a_program_the_tpu_compiler_refuses_is_one_line():
+  """XLA:TPU raises RESOURCE_EXHAUSTED itself when temporaries exceed HBM: the plan says which program and what
+  to change, in one line."""
+  from rlax import planning_programs
+
+  class Refused:
+    def compile(self):
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required "
+                                       "for HLO temporaries (289.79G) exceeds available HBM (95.74G).")
+
+  low = planning_programs.Lowering("sampler_admit[64x8]", lambda: Refused())
+  with pytest.raises(planning.PlanError) as e:
+    planning._analyze(low, "mesh", planning.Chip("tiny", 2 ** 30, 1e12, 1e12, 1e9, 1e9))
+  msg = str(e.value)
+  assert "\n" not in msg and msg.startswith("sampler_admit[64x8] does not fit: Ran out of memory on HBM")
+  assert "rollout.slots" in msg
