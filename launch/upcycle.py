@@ -9,6 +9,7 @@ The last output line is one JSON object: {"model_dir", "arch", "n_experts", "top
 """
 
 import json
+import os
 import sys
 
 from absl import app, flags, logging
@@ -35,11 +36,12 @@ def main(argv):
     cfg, params = hf.load_checkpoint(argv[1])
     cfg, params = moe.upcycle(cfg, params, n_experts=EXPERTS.value, top_k=TOP_K.value,
                               key=jax.random.key(ROUTER_SEED.value), router_std=ROUTER_STD.value)
-    export.export_hf(params, cfg, OUT.value, tokenizer_dir=argv[1])
+    out = os.path.abspath(os.path.expanduser(OUT.value))  # --out=~/dir: the shell leaves that ~ alone
+    export.export_hf(params, cfg, out, tokenizer_dir=argv[1])
   except (ValueError, FileNotFoundError) as e:
     print(f"rlax: upcycle: {e}", file=sys.stderr)
     sys.exit(2)
-  print(json.dumps({"model_dir": OUT.value, "arch": cfg.arch, "n_experts": cfg.moe.n_experts,
+  print(json.dumps({"model_dir": out, "arch": cfg.arch, "n_experts": cfg.moe.n_experts,
                     "top_k": cfg.moe.top_k, "params": cfg.num_params()}))
 
 
