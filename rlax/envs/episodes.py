@@ -261,7 +261,7 @@ class EpisodeStream:
       routes[0, P + at:] = moe.NO_ROUTE
       arrays["routes"] = routes
     return first.replace(**arrays, lengths=np.array([at], np.int32), finish_reason=last.finish_reason,
-                         version=max(p.version for p in ep.parts + [last])), forks
+                         version=max(p.version for p in parts)), forks
 
   def _finish(self, g: _Group) -> FinishedEpisodes:
     rows = [self._training_row(ep) for ep in g.episodes]

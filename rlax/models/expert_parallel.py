@@ -25,14 +25,10 @@ from jaxtyping import Array, Float, Int
 from rlax.models import sharding as shd
 
 
-def _axes(spec_entry) -> tuple[str, ...]:
-  return () if spec_entry is None else (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
-
-
 def expert_axes(mesh_shape: dict[str, int], n_experts: int) -> tuple[str, ...]:
   """The mesh axes the experts split over (the rules table's 'experts', where they divide E): the planner's
   and the forward's one answer."""
-  return _axes(shd.spec_for(("experts",), (n_experts,), mesh_shape)[0])
+  return shd.entry_axes(shd.spec_for(("experts",), (n_experts,), mesh_shape)[0])
 
 
 def experts(w: dict[str, Any], x: Float[Array, "N D"], chosen: Int[Array, "N k"], weights: Float[Array, "N k"],
@@ -45,10 +41,10 @@ def experts(w: dict[str, Any], x: Float[Array, "N D"], chosen: Int[Array, "N k"]
   if not ep:
     return local(w, x, chosen, weights)
   shape = dict(mesh.shape)
-  rows = _axes(shd.spec_for(("batch", None), x.shape, shape)[0])
+  rows = shd.entry_axes(shd.spec_for(("batch", None), x.shape, shape)[0])
   wide = lambda name: shd.spec_for(("experts", None, "expert_mlp") if name != "experts_down"
                                    else ("experts", "expert_mlp", None), w[name].shape, shape)
-  mlp_axes = _axes(wide("experts_gate")[2])  # the expert MLP's width: partial sums over these
+  mlp_axes = shd.entry_axes(wide("experts_gate")[2])  # the expert MLP's width: partial sums over these
   gather = tuple(a for a in ep if a in rows)   # tokens split over these: gathered, then scattered back
   spread = tuple(a for a in ep if a not in rows)  # tokens whole on these: each device's part, summed
   names = ("experts_gate", "experts_up", "experts_down")
@@ -78,9 +74,7 @@ def exchange_bytes(cfg, mesh_shape: dict[str, int], tokens_per_chip: int, passes
   all-gather of the group's tokens (with their experts and gate weights) and the reduce-scatter of the
   results, each (G - 1) x tokens x row bytes for an EP group of G chips. The planner's figure."""
   ep = expert_axes(mesh_shape, cfg.moe.n_experts)
-  group = 1
-  for a in ep:
-    group *= mesh_shape[a]
+  group = shd.entry_size(mesh_shape, ep)
   row = cfg.d_model * cfg.jnp_dtype.itemsize
   per_pass = (group - 1) * tokens_per_chip * (2 * row + cfg.moe.top_k * 8)
   return dict(axes=list(ep), group=group, experts_per_chip=cfg.moe.n_experts // group,

@@ -97,9 +97,17 @@ def row_shards(mesh: Mesh | None, rows: int) -> int:
   """How many ways `batch_sharding(mesh, rows)` splits the rows (1 without a mesh)."""
   if mesh is None:
     return 1
-  axes = batch_sharding(mesh, rows).spec[0]
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-  return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+  return entry_size(dict(mesh.shape), batch_sharding(mesh, rows).spec[0])
+
+
+def entry_axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, an axis name, or a tuple of them)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def entry_size(mesh_shape: dict[str, int], entry) -> int:
+  """How many ways one PartitionSpec entry splits its dimension on a mesh of `mesh_shape`."""
+  return int(np.prod([mesh_shape[a] for a in entry_axes(entry)], dtype=np.int64))
 
 
 def tree_shardings(shapes: Any, axes: Any, mesh: Mesh, rules=RULES) -> Any:

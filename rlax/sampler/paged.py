@@ -68,18 +68,13 @@ def mesh_axes(mesh_shape: dict[str, int], slots: int, kv_heads: int):
   return slot, head
 
 
-def _size(mesh_shape: dict[str, int], axes) -> int:
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-  return int(np.prod([mesh_shape[a] for a in axes], dtype=np.int64))
-
-
 def slot_shards(mesh, slots: int, kv_heads: int) -> int:
   """How many shards the slots (and the pool's pages) split into on `mesh` (concrete or abstract; None or a
   one-device mesh: 1), as `layouts.Paged.attend` splits them under shard_map."""
   if mesh is None or mesh.empty or mesh.size == 1:
     return 1
   mshape = dict(mesh.shape)
-  return _size(mshape, mesh_axes(mshape, slots, kv_heads)[0])
+  return shd.entry_size(mshape, mesh_axes(mshape, slots, kv_heads)[0])
 
 
 def reference_attention(q: Float[Array, "S H Dh"], k_pages: Float[Array, "K P pg Dh"],

@@ -4,8 +4,8 @@ recompute after a weight swap, cancel, and gather / grow (moving rows between sl
 A slot holds one request: its prompt (n_prompt tokens), every token after it (`tokens`: sampled, or appended
 by an extension) with its log-prob, weight version and whether it was sampled, the cache (a
 `rlax.sampler.layouts` layout's) of its sequence, and for a MoE model that replays routes the experts each
-token of it went to when a forward fed it (`routes`, by index in the sequence: what the trainer replays). t[s] tokens follow the prompt; the last one is fed by the
-next decode step, so indices 0 .. n_prompt + t - 2 are cached. Shapes are static (S slots, P prompt columns,
+token of it went to when a forward fed it (`routes`, by index in the sequence: what the trainer replays).
+t[s] tokens follow the prompt; the last one is fed by the next decode step, so indices 0 .. n_prompt + t - 2 are cached. Shapes are static (S slots, P prompt columns,
 N new-token budget, M stop ids per slot), so nothing recompiles in steady state.
 """
 
@@ -75,9 +75,7 @@ def _no_routes(cfg: models.ModelConfig, rows: int, length: int):
 
 def _put_routes(routes, rows, cols, chosen):
   """routes[rows[a], cols[a, j]] = chosen[l, a, j] (layer-major, as forwards return them) for every layer l;
-  rows or cols out of range are dropped. routes None (nothing replayed): None."""
-  if routes is None:
-    return None
+  rows or cols out of range are dropped."""
   return routes.at[rows[:, None], cols].set(moe.as_routes(jnp.moveaxis(chosen, 0, 2)), mode="drop")
 
 
@@ -162,10 +160,11 @@ def decode_chunk(params, st: SlotState, version, n_steps, *, cfg: models.ModelCo
       logits, cache, chosen = step_lib.decode_step(fused, cfg, layout, st.cache, st.last, pos, st.n_prompt, live,
                                                    i + 1)
       tok, lp = strategy.sample(logits, rows_lib.uniforms(st.keys, st.t))
-      S, T = st.t.shape[0], None if st.routes is None else st.routes.shape[1]
-      routes = None if T is None else _put_routes(st.routes, jnp.arange(S), jnp.where(live, pos, T)[:, None],
-                                                  chosen[:, :, None])
-      st = record(st.replace(cache=cache, routes=routes), live, tok, lp, version, eos_ids, stops, pad_id)
+      st = st.replace(cache=cache)
+      if st.routes is not None:  # the fed tokens' experts, at their indices
+        at = jnp.where(live, pos, st.routes.shape[1])[:, None]
+        st = st.replace(routes=_put_routes(st.routes, jnp.arange(st.t.shape[0]), at, chosen[:, :, None]))
+      st = record(st, live, tok, lp, version, eos_ids, stops, pad_id)
       return st.replace(work=st.work + jnp.sum(live).astype(jnp.int32), steps=st.steps + 1)
 
     st = jax.lax.while_loop(cond, body, st)
@@ -219,9 +218,10 @@ def recompute(params, st: SlotState, *, cfg: models.ModelConfig, layout) -> Slot
   count = jnp.where(st.t > 0, st.n_prompt + st.t - 1, 0)
   zero = jnp.zeros((S,), jnp.int32)
   _, k, v, chosen = step_lib.forward(params, cfg, seq, zero, count)
-  cols = jnp.where(i < count[:, None], i, P + N)
-  return st.replace(cache=layout.write(st.cache, jnp.arange(S), k, v, zero, count, st.n_prompt),
-                    routes=_put_routes(st.routes, jnp.arange(S), cols, chosen))
+  st = st.replace(cache=layout.write(st.cache, jnp.arange(S), k, v, zero, count, st.n_prompt))
+  if st.routes is not None:
+    st = st.replace(routes=_put_routes(st.routes, jnp.arange(S), jnp.where(i < count[:, None], i, P + N), chosen))
+  return st
 
 
 def cancel(st: SlotState, mask) -> SlotState:

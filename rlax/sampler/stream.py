@@ -240,6 +240,8 @@ class Stream:
       g.admitted = self.version
       g.tokens, g.logprobs = np.full((G, N), e.pad_id, np.int32), np.zeros((G, N), np.float32)
       g.versions, g.sampled = np.full((G, N), -1, np.int32), np.zeros((G, N), bool)
+      if self.st.routes is not None:
+        g.routes = np.full((G, *self.st.routes.shape[1:]), moe.NO_ROUTE, self.st.routes.dtype)
       g.lengths, g.reason, g.decoding, g.counted = np.zeros(G, np.int32), np.zeros(G, np.int32), G, np.zeros(G, int)
       for i in range(G):
         self._rows[self._next_row] = (g, i)
@@ -310,8 +312,6 @@ class Stream:
       g, i = self._rows[r]
       g.tokens[i], g.logprobs[i], g.versions[i], g.sampled[i] = tok[j], lp[j], ver[j], smp[j]
       if routes is not None:
-        if g.routes is None:
-          g.routes = np.zeros((g.samples, *routes.shape[1:]), routes.dtype)
         g.routes[i] = routes[j]
       g.lengths[i], g.reason[i] = t[j], reason[j]
       self.finished_tokens += int(t[j]) - int(g.counted[i])  # a held row's earlier turns were counted already
