@@ -26,13 +26,17 @@ class MoEConfig:
   `n_experts` SwiGLU experts of width `expert_mlp_dim`, weighted by their probabilities (renormalized over the
   k when `norm_topk_prob`: Qwen3-MoE, Mixtral). `shared_mlp_dim` > 0: Qwen2-MoE's shared expert, gated per token
   by a sigmoid. `routing_replay`: "rollout" (the sampler records every token's experts and the trainer's passes
-  route it to them: rlax.models.moe.replayed_routes) or "none" (each forward routes by its own router)."""
+  route it to them: rlax.models.moe.replayed_routes) or "none" (each forward routes by its own router).
+  `load_balance_coef`, `router_z_coef`: the trainer's auxiliary losses (rlax.models.moe.router_stats), 0 for RL
+  by default (the reward shapes the routing); both are logged either way."""
   n_experts: int
   top_k: int
   expert_mlp_dim: int
   norm_topk_prob: bool = True
   shared_mlp_dim: int = 0
   routing_replay: str = "rollout"
+  load_balance_coef: float = 0.0
+  router_z_coef: float = 0.0
 
   def __post_init__(self):
     for name in ("n_experts", "top_k", "expert_mlp_dim"):
@@ -40,6 +44,9 @@ class MoEConfig:
         raise ValueError(f"MoEConfig.{name} must be positive, got {getattr(self, name)}")
     if self.top_k > self.n_experts:
       raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds n_experts={self.n_experts}")
+    for name in ("load_balance_coef", "router_z_coef"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"MoEConfig.{name} must be >= 0, got {getattr(self, name)}")
     if self.shared_mlp_dim < 0:
       raise ValueError(f"MoEConfig.shared_mlp_dim={self.shared_mlp_dim} must be >= 0")
     if self.routing_replay not in ("rollout", "none"):
@@ -47,6 +54,21 @@ class MoEConfig:
     if self.routing_replay == "rollout" and self.n_experts > 255:  # rlax.models.moe.ROUTE_DTYPE
       raise ValueError(f"MoEConfig.routing_replay='rollout' stores expert ids as uint8: n_experts={self.n_experts} "
                        f"must be <= 255 (or set routing_replay='none')")
+
+
+# How a MoE layer trains, not what its checkpoint holds: a run may set these over a checkpoint's config.
+MOE_TRAINING = ("routing_replay", "load_balance_coef", "router_z_coef")
+
+
+def checkpoint_fields(cfg: "ModelConfig") -> dict:
+  """The fields of `cfg` that a checkpoint fixes (architecture and shapes): all but how it computes (dtypes,
+  remat, scan) and how its experts train (MOE_TRAINING). rlax.models.hf.load_checkpoint's check of a run's
+  config against config.json."""
+  out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+         if f.name not in ("param_dtype", "dtype", "remat", "scan_layers")}
+  if cfg.moe is not None:
+    out["moe"] = {f.name: getattr(cfg.moe, f.name) for f in dataclasses.fields(cfg.moe) if f.name not in MOE_TRAINING}
+  return out
 
 
 @dataclasses.dataclass(frozen=True)

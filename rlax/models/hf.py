@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rlax.models import sharding, transformer
-from rlax.models.config import ModelConfig
+from rlax.models.config import ModelConfig, checkpoint_fields
 from rlax.models.hf_config import config_from_hf, config_to_hf
 from rlax.models.hf_tokenizer import Tokenizer, load_tokenizer
 from rlax.models.init import param_shardings
@@ -219,12 +219,11 @@ def load_checkpoint(path: str, mesh: Optional[Mesh] = None, dtype=None, rules=sh
   """
   own = read_config(path, dtype)
   if cfg is not None:
-    numerics = ("param_dtype", "dtype", "remat", "scan_layers")
-    differ = [f.name for f in dataclasses.fields(ModelConfig)
-              if f.name not in numerics and getattr(cfg, f.name) != getattr(own, f.name)]
+    want, have = checkpoint_fields(cfg), checkpoint_fields(own)
+    differ = [name for name in want if want[name] != have[name]]
     if differ:
       raise ValueError(f"checkpoint {path}: model config differs from config.json in {differ[0]} "
-                       f"({getattr(cfg, differ[0])!r} vs {getattr(own, differ[0])!r})")
+                       f"({want[differ[0]]!r} vs {have[differ[0]]!r})")
   else:
     cfg = own
   files = _tensor_files(path)

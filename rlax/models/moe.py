@@ -12,7 +12,7 @@ Shapes: N tokens, D d_model, E experts, k experts per token, Fe expert MLP, Fs s
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +57,32 @@ def route(cfg: ModelConfig, router: jax.Array, x: Float[Array, "N D"],
   if m.norm_topk_prob:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   return logits, experts.astype(jnp.int32), weights
+
+
+class RouterStats(NamedTuple):
+  """A forward's router statistics, each the mean over its MoE layers (rlax.models.hidden_states). balance: the
+  load-balancing loss E·Σ_e f_e·P_e (Switch Transformer, arXiv 2101.03961 eq. 4, with f_e the share of the
+  token-expert pairs that go to e, so perfect balance is 1 at any k; Megatron-LM's normalization); z: the router
+  z-loss, the mean of logsumexp(logits)² (ST-MoE, arXiv 2202.08906 eq. 5)."""
+  balance: jax.Array
+  z: jax.Array
+
+
+def router_stats(logits: Float[Array, "N E"], experts: Int[Array, "N k"], valid: Float[Array, "N"]) -> RouterStats:
+  """One layer's RouterStats over the tokens with valid > 0. Gradients reach the router through the mean
+  probabilities P_e and the logits; the shares f_e count the experts actually used (replayed ones included)."""
+  e, k = logits.shape[-1], experts.shape[-1]
+  n = jnp.maximum(jnp.sum(valid), 1.0)
+  probs = jax.nn.softmax(logits, axis=-1)
+  mean_prob = jnp.sum(probs * valid[:, None], axis=0) / n
+  share = jnp.zeros((e,), jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(valid, k), mode="drop") / (n * k)
+  z = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * valid) / n
+  return RouterStats(balance=e * jnp.sum(jax.lax.stop_gradient(share) * mean_prob), z=z)
+
+
+def aux_loss(cfg: ModelConfig, stats: RouterStats) -> jax.Array:
+  """The auxiliary loss the config asks for (0 unless MoEConfig.load_balance_coef / router_z_coef are set)."""
+  return cfg.moe.load_balance_coef * stats.balance + cfg.moe.router_z_coef * stats.z
 
 
 def as_routes(chosen: jax.Array) -> jax.Array:

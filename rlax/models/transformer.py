@@ -164,9 +164,11 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: Int[Array, "B T"], *
                   input_mask: Optional[Bool[Array, "B T"]] = None,
                   cache: Optional[KVCache] = None, start: int = 0,
                   segment_ids: Optional[Int[Array, "B T"]] = None, parents: Optional[Int[Array, "B T"]] = None,
-                  routes: Optional[Int[Array, "B T L k"]] = None
-                  ) -> tuple[Float[Array, "B T D"], Optional[KVCache]]:
-  """Final-normed hidden states, and the updated cache when one is given.
+                  routes: Optional[Int[Array, "B T L k"]] = None, router_stats: bool = False
+                  ) -> tuple:
+  """Final-normed hidden states, and the updated cache when one is given (None without), and with
+  `router_stats` (a MoE model, no cache) a third item: the layers' mean rlax.models.moe.RouterStats over the
+  valid tokens (input_mask, nonzero segment_ids; the last layer's from position `start` on).
 
   Without a cache, token t attends to tokens s ≤ t with input_mask[s]. A packed row (rlax.rollout.packing)
   gives `segment_ids` (0: padding) and `parents`: token t attends to tokens s ≤ t of its own segment or
@@ -181,8 +183,8 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: Int[Array, "B T"], *
   B, T = tokens.shape
   if not 0 <= start < T or (start and cache is not None):
     raise ValueError(f"hidden_states: start={start} must be in [0, {T}) and 0 with a cache")
-  if routes is not None and (cfg.moe is None or cache is not None):
-    raise ValueError("hidden_states: routes replay a MoE model's experts, in a forward without a cache")
+  if (routes is not None or router_stats) and (cfg.moe is None or cache is not None):
+    raise ValueError("hidden_states: routes and router_stats are a MoE model's, in a forward without a cache")
   if input_mask is None:
     input_mask = jnp.ones((B, T), bool)
   if positions is None:
@@ -202,15 +204,24 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: Int[Array, "B T"], *
       par = own if parents is None else parents[:, :, None]
       mask = mask & (kv > 0) & ((kv == own) | (kv == par))
 
-    def body(x, lp, extra, l, q_start=0):
+    valid = input_mask if segment_ids is None else input_mask & (segment_ids > 0)
+
+    def body(x, lp, stats, l, q_start=0):
       attend = lambda q, k, v: attention(q, k, v, mask[:, q_start:])
-      mlp = None
-      if routes is not None:
-        mlp = lambda w, h: moe.routed(cfg, w, h, experts=jnp.take(routes[:, q_start:], l, axis=2))[0]
-      return block(cfg, lp, x, cos_sin, attend, q_start, mlp=mlp), extra
+      mlp, seen = None, []
+      if routes is not None or router_stats:
+        def mlp(w, h):
+          replay = None if routes is None else jnp.take(routes[:, q_start:], l, axis=2)
+          out, logits, chosen = moe.routed(cfg, w, h, experts=replay)
+          seen.append(moe.router_stats(logits.reshape(-1, logits.shape[-1]), chosen.reshape(-1, chosen.shape[-1]),
+                                       valid[:, q_start:].reshape(-1).astype(jnp.float32)))
+          return out
+      x = block(cfg, lp, x, cos_sin, attend, q_start, mlp=mlp)
+      return x, (jax.tree.map(jnp.add, stats, seen[0]) if router_stats else stats)
 
     last = functools.partial(body, q_start=start) if start else None
-    x, _ = _run_layers(cfg, params, x, body, (), last)
+    zero = jnp.zeros((), jnp.float32)
+    x, stats = _run_layers(cfg, params, x, body, moe.RouterStats(zero, zero) if router_stats else (), last)
     new_cache = None
   else:
     S = cache.max_len
@@ -235,6 +246,8 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: Int[Array, "B T"], *
     x, (ck, cv) = _run_layers(cfg, params, x, body, (cache.k, cache.v))
     new_cache = KVCache(k=ck, v=cv, valid=valid, index=idx + T)
   x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+  if router_stats:
+    return x, new_cache, jax.tree.map(lambda a: a / cfg.n_layers, stats)
   return x, new_cache
 
 

@@ -39,36 +39,40 @@ class Layout:
       x["routes"] = batch.routes
     return x
 
-  def hidden(self, params, cfg: models.ModelConfig, x: dict) -> tuple[jax.Array, jax.Array]:
-    """Final-normed hidden states of the scored slots [rows, S', D] and their target tokens [rows, S']; every
-    forward (policy, reference, critic) replays the batch's routes."""
-    routes = x.get("routes")
+  def hidden(self, params, cfg: models.ModelConfig, x: dict, router_stats: bool = False) -> tuple:
+    """Final-normed hidden states of the scored slots [rows, S', D] and their target tokens [rows, S'], and with
+    `router_stats` the forward's rlax.models.moe.RouterStats; every forward (policy, reference, critic) replays
+    the batch's routes."""
+    kw = dict(routes=x.get("routes"), router_stats=router_stats)
     if self.packed:
-      h, _ = models.hidden_states(params, cfg, x["tokens"], positions=x["positions"],
-                                  segment_ids=x["segment_ids"], parents=x["parents"], routes=routes)
-      return jnp.take_along_axis(h, x["score_index"][..., None], axis=1), x["targets"]
-    h, _ = models.hidden_states(params, cfg, x["tokens"], input_mask=x["input_mask"].astype(bool), start=self.start,
-                                routes=routes)
-    return h[:, :-1], x["tokens"][:, self.start + 1:]
+      h, _, *stats = models.hidden_states(params, cfg, x["tokens"], positions=x["positions"],
+                                          segment_ids=x["segment_ids"], parents=x["parents"], **kw)
+      return (jnp.take_along_axis(h, x["score_index"][..., None], axis=1), x["targets"], *stats)
+    h, _, *stats = models.hidden_states(params, cfg, x["tokens"], input_mask=x["input_mask"].astype(bool),
+                                        start=self.start, **kw)
+    return (h[:, :-1], x["tokens"][:, self.start + 1:], *stats)
 
-  def per_slot(self, head: Callable, params, cfg: models.ModelConfig, x: dict):
-    """head(hidden [rows, S', D], targets [rows, S']) -> tuple of [rows, S'] arrays, placed on all S slots."""
-    outs = head(*self.hidden(params, cfg, x))
-    if self.packed or not self.start:
-      return outs
-    return tuple(jnp.pad(o, ((0, 0), (self.start, 0))) for o in outs)
+  def per_slot(self, head: Callable, params, cfg: models.ModelConfig, x: dict, router_stats: bool = False):
+    """head(hidden [rows, S', D], targets [rows, S']) -> tuple of [rows, S'] arrays, placed on all S slots; with
+    `router_stats` the forward's RouterStats follow them."""
+    h, t, *stats = self.hidden(params, cfg, x, router_stats)
+    outs = head(h, t)
+    if not self.packed and self.start:
+      outs = tuple(jnp.pad(o, ((0, 0), (self.start, 0))) for o in outs)
+    return (*outs, *stats)
 
   def logprobs(self, params, cfg: models.ModelConfig, x: dict, *, chunk: int, temperature: float,
-               with_entropy: bool = False):
-    """Log-prob of each slot's token ([rows, S] f32), and entropies when `with_entropy`."""
+               with_entropy: bool = False, router_stats: bool = False):
+    """Log-prob of each slot's token ([rows, S] f32), then entropies when `with_entropy`, then the forward's
+    RouterStats when `router_stats` (a lone log-prob array when neither)."""
     w = models.lm_head(params, cfg)
 
     def head(h, t):
       out = models.logprobs_from_hidden(h, w, t, temperature=temperature, chunk=chunk, with_entropy=with_entropy)
       return out if with_entropy else (out,)
 
-    out = self.per_slot(head, params, cfg, x)
-    return out if with_entropy else out[0]
+    out = self.per_slot(head, params, cfg, x, router_stats)
+    return out if len(out) > 1 else out[0]
 
   def values(self, critic: dict, cfg: models.ModelConfig, x: dict) -> jax.Array:
     """PPO's value head on every slot ([rows, S] f32): V(tokens up to the slot)."""

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from rlax import algorithms
 from rlax import models
+from rlax.models import moe
 from rlax.trainer import layouts
 from rlax.trainer.batch import PackedBatch, RolloutBatch
 from rlax.trainer.state import masked_extreme
@@ -96,7 +97,8 @@ def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmCon
   """
   layout = layout or layouts.Layout(packed=False, start=start, max_len=mb.loss_mask.shape[1] - start)
   seg = layout.segments(mb.model)
-  lp, ent = layout.logprobs(params, model_cfg, mb.model, chunk=chunk, temperature=temperature, with_entropy=True)
+  lp, ent, *router = layout.logprobs(params, model_cfg, mb.model, chunk=chunk, temperature=temperature,
+                                     with_entropy=True, router_stats=model_cfg.moe is not None)
   m = mb.loss_mask
   behaviour = mb.behaviour_logprobs
   old = jax.lax.stop_gradient(lp) if algo.old_policy == "recompute" else behaviour
@@ -118,6 +120,9 @@ def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmCon
   max_len = algo.max_len or layout.max_len
   agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, num_rows=num_rows, max_len=max_len, segments=seg)
   loss = algorithms.aggregate(total, m, algo.loss_agg, **agg)
+  rows = jnp.asarray(m.shape[0], jnp.float32)
+  if router:  # a MoE policy's auxiliary losses: each micro-batch's router statistics, weighted by its rows
+    loss = loss + moe.aux_loss(model_cfg, router[0]) * rows / num_rows
 
   tokens = jnp.sum(m)
   ratio = jnp.where(m > 0, info["ratio"], jnp.nan)
@@ -139,6 +144,8 @@ def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmCon
       "logp_diff_max": jnp.max(diff),
       "tokens": tokens,
   }
+  if router:
+    metrics.update(router_balance_sum=router[0].balance * rows, router_z_sum=router[0].z * rows, router_rows=rows)
   return loss, metrics
 
 
@@ -159,4 +166,15 @@ def reduce_metrics(stacked: dict, loss: jax.Array, grad_norm: jax.Array, lr: jax
       "logp_diff_mean": per_tok("logp_diff_sum"),
       "logp_diff_max": ext("logp_diff_max", jnp.max, 0.0), "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
       "micro_batches_run": jnp.sum(on),
+      **_router_metrics(stacked),
   }
+
+
+def _router_metrics(stacked: dict) -> dict:
+  """A MoE policy's router statistics over the micro-batches that ran (rlax.models.moe.RouterStats): the
+  load-balancing and z-losses, logged whether or not they are in the loss."""
+  if "router_rows" not in stacked:
+    return {}
+  rows = jnp.maximum(jnp.sum(stacked["router_rows"]), 1.0)
+  return {"router_balance": jnp.sum(stacked["router_balance_sum"]) / rows,
+          "router_z": jnp.sum(stacked["router_z_sum"]) / rows}

@@ -195,7 +195,7 @@ def test_trainer_replays_the_routes_the_sampler_recorded():
   _, _, _, dense_routes = step.forward(U.scaled_params(EXPORT_CFGS["qwen3_moe"].replace(
       arch="qwen3", moe=None)), cfg.replace(arch="qwen3", moe=None), tokens, jnp.zeros_like(n), n)
   assert dense_routes is None
-  with pytest.raises(ValueError, match="routes replay a MoE model"):
+  with pytest.raises(ValueError, match="routes and router_stats are a MoE model"):
     M.forward(params, cfg.replace(arch="qwen3", moe=None), tokens, routes=routes)
 
 
