@@ -56,7 +56,7 @@ def push_estimate(target: Any, chip, cross_dcn: bool) -> dict[str, float]:
   dst = jax.tree.leaves(target)
   mesh = dst[0].sharding.mesh
   total = sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in dst)
-  tr = [NamedSharding(mesh, transport_spec(s.shape, dict(mesh.shape))) for s in dst]
+  tr = [NamedSharding(mesh, transport_spec(s.shape, dict(mesh.shape), s.sharding.spec)) for s in dst]
   piece = sizing.tree_bytes(dst, tr)
   shard = sizing.tree_bytes(dst)
   link = chip.dcn_bw if cross_dcn else chip.ici_bw

@@ -174,9 +174,17 @@ def test_plan_sizes_slots_by_the_chip_hbm():
 
 
 def test_transport_spec_hand_cases():
-  assert transport_spec((8, 6), {"data": 2, "fsdp": 1, "tensor": 2}) == P(("data", "tensor"), None)
-  assert transport_spec((6, 3), {"data": 2, "fsdp": 1, "tensor": 2}) == P(("tensor",), None)
-  assert transport_spec((3,), {"data": 2, "fsdp": 1, "tensor": 2}) == P()
+  """The sampler's spec plus every axis it leaves unused, on the dim with the largest pieces it divides."""
+  mesh = {"data": 2, "fsdp": 1, "tensor": 2}
+  assert transport_spec((8, 6), mesh) == P("data", "tensor")
+  assert transport_spec((6, 3), mesh) == P(("data",), None)  # tensor divides no dim any more: replicated
+  assert transport_spec((3,), mesh) == P(None)
+  # an expert leaf [L, E, D, F] on (E: fsdp, F: tensor) of a data 16 x fsdp 8 x tensor 4 sampler: data joins D
+  big = {"data": 16, "fsdp": 8, "tensor": 4}
+  assert transport_spec((94, 128, 4096, 1536), big, P(None, "fsdp", None, "tensor")) == \
+      P(None, ("fsdp",), ("data",), ("tensor",))
+  assert transport_spec((4, 6), mesh, P("tensor")) == P("tensor", "data")
+  assert transport_spec((8, 3), mesh, P("tensor")) == P(("tensor", "data"), None)
 
 
 def test_oversized_program_fails_with_one_line(local_plan):
