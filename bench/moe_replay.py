@@ -14,6 +14,8 @@ replaying the sampler's recorded routes or routing by its own router. Per sample
   logp_gap_{replay,none}: mean |trainer log-prob - behaviour log-prob| over sampled tokens;
   kl_{replay,none}: KL(sampler || trainer) on them, the k3 estimator mean(r - 1 - log r), r = p_trainer / p_sampler.
   dense_logp_gap, dense_kl: the same for --dense (a dense model: nothing to replay), the floor replay aims at.
+  *_se: standard errors from resampling whole sequences; logp_gap_replay_minus_{none,dense}: the differences
+  (paired for none: the same sequences) and theirs.
 
 With replay the trainer's experts are the sampler's by construction: the table measures what remains.
 
@@ -75,16 +77,26 @@ def _own_routes(params, cfg, batch):
   return out
 
 
-def _gap(params, cfg, batch, replay: bool) -> tuple[float, float]:
-  """(mean |Δ log-prob|, k3 KL) of the f32 trainer against the behaviour log-probs on sampled tokens."""
+def _gap(params, cfg, batch, replay: bool) -> tuple[np.ndarray, np.ndarray]:
+  """Per sampled sequence, the sums over its sampled tokens of |Δ log-prob| and of the k3 KL term, f32 trainer
+  against the behaviour log-probs ([2, B]), and its token counts [B]."""
   from rlax.trainer import layouts
   b = batch if replay else batch.replace(routes=None)
   layout = layouts.of(b)
   lp = jax.jit(lambda p, x: layout.logprobs(p, cfg, x, chunk=128, temperature=1.0))(
       params, layout.inputs(jax.tree.map(jnp.asarray, b)))
   m = np.asarray(batch.loss_mask) > 0
-  d = (np.asarray(lp) - np.asarray(batch.behaviour_logprobs))[m]
-  return float(np.abs(d).mean()), float(np.mean(np.exp(d) - 1 - d))
+  d = np.where(m, np.asarray(lp) - np.asarray(batch.behaviour_logprobs), 0.0)
+  return np.stack([np.abs(d).sum(1), (np.exp(d) - 1 - d).sum(1)]), m.sum(1)
+
+
+def _mean_se(sums: np.ndarray, counts: np.ndarray, seed: int = 0, draws: int = 2000) -> tuple[float, float]:
+  """Token-weighted mean of per-sequence `sums` / `counts`, and its standard error from resampling the
+  sequences (a sequence's tokens are not independent draws)."""
+  rng = np.random.default_rng(seed)
+  idx = rng.integers(0, len(counts), (draws, len(counts)))
+  boot = sums[idx].sum(1) / np.maximum(counts[idx].sum(1), 1)
+  return float(sums.sum() / max(counts.sum(), 1)), float(boot.std())
 
 
 def _rollouts(params, cfg, dtype, prompts):
@@ -180,13 +192,21 @@ def main(_):
     row = {"sampled_tokens": int(np.asarray(batch.loss_mask).sum()), "fed_tokens": int(fed.sum()),
            "expert_set_mismatch_tokens": float(differ.any(-1).mean()),
            "expert_set_mismatch_layer_tokens": float(differ.mean())}
-    for replay in (True, False):
-      gap, kl = _gap(params, cfg, batch, replay)
-      key = "replay" if replay else "none"
-      row[f"logp_gap_{key}"], row[f"kl_{key}"] = gap, kl
+    runs = {key: _gap(params, cfg, batch, key == "replay") for key in ("replay", "none")}
     if dense is not None:
-      dbatch = _rollouts(dense[1], dense[0], dt, prompts)
-      row["dense_logp_gap"], row["dense_kl"] = _gap(dense[1], dense[0], dbatch, True)
+      runs["dense"] = _gap(dense[1], dense[0], _rollouts(dense[1], dense[0], dt, prompts), True)
+    for key, (sums, counts) in runs.items():
+      (gap, gap_se), (kl, kl_se) = _mean_se(sums[0], counts), _mean_se(sums[1], counts)
+      name = "dense_" if key == "dense" else ""
+      suffix = "" if key == "dense" else f"_{key}"
+      row.update({f"{name}logp_gap{suffix}": gap, f"{name}logp_gap{suffix}_se": gap_se,
+                  f"{name}kl{suffix}": kl, f"{name}kl{suffix}_se": kl_se})
+    # replay and none score the same sequences: their difference is paired
+    diff = runs["replay"][0][0] - runs["none"][0][0]
+    row["logp_gap_replay_minus_none"], row["logp_gap_replay_minus_none_se"] = _mean_se(diff, runs["replay"][1])
+    if dense is not None:  # different sequences: independent errors
+      row["logp_gap_replay_minus_dense"] = row["logp_gap_replay"] - row["dense_logp_gap"]
+      row["logp_gap_replay_minus_dense_se"] = float(np.hypot(row["logp_gap_replay_se"], row["dense_logp_gap_se"]))
     result[dt] = row
     print(f"sampler {dt}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                         for k, v in row.items()), flush=True)

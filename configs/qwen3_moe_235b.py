@@ -26,8 +26,6 @@ def get_config(arg: str | None = None):
   c.rollout.max_new_tokens = 7 * 1024
   c.rollout.slots = 512
   c.plan = paper_qwq32b.plan_fields("v5p:8x8x8", 2)
-  # The weight push does not fit at 235B (290 GiB of temporaries a chip): planned without it.
-  c.plan.programs = "trainer_step,sampler_prefill,sampler_admit,sampler_decode"
   c.rollout.on_swap = "keep"      # weights swap between chunks; no recompute of every slot's context
   if arg == "tiny":
     qwen3_moe_30b.shrink_moe(c)
