@@ -34,6 +34,7 @@ from rlax import envs
 from rlax.data.records import read_records
 from rlax.envs import episodes as episodes_lib
 from rlax.models import hf
+from rlax.models.config import NUMERICS
 from rlax.sampler import Greedy
 from rlax.topology import build_topology
 
@@ -141,9 +142,6 @@ def held_out(records: Sequence, *, sampler, render, reward_fn: RewardFn, pool, m
   return res
 
 
-_NUMERICS = ("param_dtype", "dtype", "remat", "scan_layers")  # kept from the config when --model replaces its model
-
-
 def _run_config(cfg: Any, *, model: Optional[str], task: Optional[str],
                 n_samples: Optional[int]) -> config_lib.RunConfig:
   """`cfg` (a ConfigDict or a typed RunConfig) with the overrides applied, in a scratch workdir: evaluation
@@ -165,7 +163,7 @@ def _run_config(cfg: Any, *, model: Optional[str], task: Optional[str],
   if model:
     if not os.path.isfile(os.path.join(model, "config.json")):
       raise ValueError(f"--model={model}: no config.json there (an HF model directory is needed)")
-    shape = hf.read_config(model).replace(**{k: getattr(run.model, k) for k in _NUMERICS})
+    shape = hf.read_config(model).replace(**{k: getattr(run.model, k) for k in NUMERICS})
     run = run.replace(model=shape, hf_checkpoint=model, model_preset="hf")
   if task:
     run = run.replace(data=dataclasses.replace(run.data, task=task, train_files="", eval_files=""))

@@ -191,10 +191,11 @@ class CrossMeshPush:
     """Each leaf's trainer sharding split over the trainer axes it leaves unused (transport_spec on the trainer
     mesh: a local slice), the step before the move to the mirror: between two fully split layouts XLA moves
     pieces (Qwen3-235B's q on 512 v5p chips: 12 MiB of temporaries; straight from the replicated layout:
-    11.75 GiB). None for a leaf not on the trainer mesh."""
-    mesh_shape = dict(self.src_mesh.shape)
-    return [NamedSharding(self.src_mesh, transport_spec(tuple(s), mesh_shape, sh.spec))
-            if isinstance(sh, NamedSharding) and sh.mesh == self.src_mesh else None
+    11.75 GiB). None for a leaf not on the trainer's devices."""
+    devices = set(self.src_mesh.devices.flat)
+    on_trainer = lambda sh: (isinstance(sh, NamedSharding) and isinstance(sh.mesh, Mesh)
+                             and set(sh.mesh.devices.flat) == devices)
+    return [NamedSharding(sh.mesh, transport_spec(tuple(s), dict(sh.mesh.shape), sh.spec)) if on_trainer(sh) else None
             for s, sh in zip(shapes, src_sh)]
 
   def _fns(self, shapes, dtypes, src_sh=None):
@@ -243,7 +244,8 @@ class CrossMeshPush:
     if treedef != self._treedef:
       raise ValueError(f"CrossMeshPush: pushed tree {treedef} does not match the sampler shardings' tree")
     shapes_l = [tuple(x.shape) for x in leaves]
-    f = self._fns(shapes_l, [x.dtype for x in leaves], None if tree is None else [x.sharding for x in leaves])
+    f = self._fns(shapes_l, [x.dtype for x in leaves],
+                  None if tree is None else [getattr(x, "sharding", None) for x in leaves])
     src_here = any(d in self._local for d in self.mirror.devices.flat)
     dst_here = any(d in self._local for d in self.dst_mesh.devices.flat)
     if src_here:

@@ -48,23 +48,26 @@ def test_push_in_one_process_is_exact_and_lands_on_sampler_shardings():
     np.testing.assert_array_equal(_bits(a.astype(jnp.bfloat16)), _bits(b))
 
 
-def test_push_moves_pieces_never_whole_leaves():
-  """A trainer mesh (fsdp 2 x tensor 2) pushing to a sampler of another shape (data 2 x fsdp 2): an expert leaf
-  whose splits sit on other dims on each side. No part of the push holds a replicated leaf (the old transport
-  layout did: 1.5 leaves of temporaries here, 290 GiB a chip for Qwen3-235B on 512 v5p chips), and the
-  sampler receives the trainer's values exactly on its own sharding."""
+@pytest.mark.parametrize("trainer_shape,src_spec,sampler_shape,dst_spec", [
+    ((1, 2, 2), (None, "fsdp", None, "tensor"), (2, 2, 1), (None, "fsdp", None, None)),
+    # the trainer leaves 'data' unused: the push first splits the leaf over it on the trainer mesh
+    ((2, 2, 1), (None, "fsdp", None, None), (1, 2, 2), (None, "fsdp", "tensor", None))])
+def test_push_moves_pieces_never_whole_leaves(trainer_shape, src_spec, sampler_shape, dst_spec):
+  """A trainer mesh pushing to a sampler mesh of another shape, an expert-like leaf whose splits sit on other
+  dims on each side: no part of the push holds a whole leaf (the old transport layout did here: 1.5 leaves of
+  temporaries in the first case; 290 GiB a chip for Qwen3-235B on 512 v5p chips, 4.3 GiB now), and the sampler
+  receives the trainer's values exactly on its own sharding."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   devs = np.asarray(jax.devices()[:8])
-  trainer = Mesh(devs[:4].reshape(1, 2, 2), ("data", "fsdp", "tensor"))
-  sampler = Mesh(devs[4:].reshape(2, 2, 1), ("data", "fsdp", "tensor"))
+  trainer = Mesh(devs[:4].reshape(trainer_shape), ("data", "fsdp", "tensor"))
+  sampler = Mesh(devs[4:].reshape(sampler_shape), ("data", "fsdp", "tensor"))
   shape = (4, 16, 512, 256)  # [L, E, D, F]: 32 MiB in f32
-  src = NamedSharding(trainer, P(None, "fsdp", None, "tensor"))
-  dst = NamedSharding(sampler, P(None, "fsdp", None, None))
+  src, dst = NamedSharding(trainer, P(*src_spec)), NamedSharding(sampler, P(*dst_spec))
   x = jax.device_put(jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape), src)
   push = multihost.CrossMeshPush(trainer, sampler, [dst])
   leaf = np.prod(shape) * 4
   for name, low in push.lowered([jax.ShapeDtypeStruct(shape, jnp.float32, sharding=src)]).items():
-    assert low.compile().memory_analysis().temp_size_in_bytes < leaf, name  # old layout: 1.5 leaves
+    assert low.compile().memory_analysis().temp_size_in_bytes < leaf, name
   out = push([x])[0]
   assert out.sharding.is_equivalent_to(dst, 4)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(x))

@@ -27,8 +27,8 @@ class MoEConfig:
   k when `norm_topk_prob`: Qwen3-MoE, Mixtral). `shared_mlp_dim` > 0: Qwen2-MoE's shared expert, gated per token
   by a sigmoid. `routing_replay`: "rollout" (the sampler records every token's experts and the trainer's passes
   route it to them: rlax.models.moe.replayed_routes) or "none" (each forward routes by its own router).
-  `load_balance_coef`, `router_z_coef`: the trainer's auxiliary losses (rlax.models.moe.router_stats), 0 for RL
-  by default (the reward shapes the routing); both are logged either way."""
+  `load_balance_coef`, `router_z_coef`: the RL loss's auxiliary terms (rlax.models.moe.router_stats), 0 by
+  default (the reward shapes the routing); both statistics are logged either way. The SFT loss has none."""
   n_experts: int
   top_k: int
   expert_mlp_dim: int
@@ -56,7 +56,9 @@ class MoEConfig:
                        f"must be <= 255 (or set routing_replay='none')")
 
 
-# How a MoE layer trains, not what its checkpoint holds: a run may set these over a checkpoint's config.
+# How a model computes and how a MoE layer trains, not what a checkpoint holds: a run may set these over a
+# checkpoint's config (rlax.models.hf.load_checkpoint; rlax.evaluation keeps NUMERICS when --model replaces it).
+NUMERICS = ("param_dtype", "dtype", "remat", "scan_layers")
 MOE_TRAINING = ("routing_replay", "load_balance_coef", "router_z_coef")
 
 
@@ -64,8 +66,7 @@ def checkpoint_fields(cfg: "ModelConfig") -> dict:
   """The fields of `cfg` that a checkpoint fixes (architecture and shapes): all but how it computes (dtypes,
   remat, scan) and how its experts train (MOE_TRAINING). rlax.models.hf.load_checkpoint's check of a run's
   config against config.json."""
-  out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-         if f.name not in ("param_dtype", "dtype", "remat", "scan_layers")}
+  out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in NUMERICS}
   if cfg.moe is not None:
     out["moe"] = {f.name: getattr(cfg.moe, f.name) for f in dataclasses.fields(cfg.moe) if f.name not in MOE_TRAINING}
   return out

@@ -306,7 +306,7 @@ class Stream:
     st = jax.device_get((self.st.tokens, self.st.logprobs, self.st.versions, self.st.sampled, self.st.t,
                          self.st.reason))
     tok, lp, ver, smp, t, reason = (x[fin] for x in st)
-    routes = None if self.st.routes is None else _rows_of(self.st.routes, fin)
+    routes = None if self.st.routes is None else host_rows(self.st.routes, fin)
     out = []
     for j, s in enumerate(fin):
       r = int(self.owner[s])
@@ -354,8 +354,18 @@ class Stream:
                 decode_steps=self.steps, slot_utilization=work / max(1, self.slot_steps))
 
 
-def _rows_of(x: jax.Array, rows: np.ndarray) -> np.ndarray:
-  """x[rows] on the host, fetching only those rows: the slots' routes are S x (P + N) x L x k bytes (1.6 GB at
-  512 slots x 8k x Qwen3-30B-A3B's 384), and a collect finds a few rows done. One compiled slice, whatever
-  the rows."""
-  return np.stack(jax.device_get([jax.lax.dynamic_index_in_dim(x, jnp.int32(r), keepdims=False) for r in rows]))
+def host_rows(x: jax.Array, rows: np.ndarray) -> np.ndarray:
+  """x[rows] on the host (the stream's collect of finished routes), fetching only those rows: the slots' routes
+  are S x (P + N) x L x k bytes (1.6 GB at 512 slots x 8k x Qwen3-30B-A3B's 384), and a collect finds a few
+  rows done. Each row is sliced on a device
+  that holds it (x is split by rows over the sampler mesh; a slice of the global array would gather it first):
+  one compiled slice per shard shape."""
+  got = {}
+  for shard in x.addressable_shards:
+    if any(sl != slice(None) and (sl.start, sl.stop) != (0, n) for sl, n in zip(shard.index[1:], x.shape[1:])):
+      return np.asarray(jax.device_get(x))[rows]  # split along another dim too: fetch it whole
+    start, stop, _ = shard.index[0].indices(x.shape[0])
+    for r in rows:
+      if start <= r < stop and int(r) not in got:
+        got[int(r)] = jax.lax.dynamic_index_in_dim(shard.data, jnp.int32(r - start), keepdims=False)
+  return np.stack(jax.device_get([got[int(r)] for r in rows]))

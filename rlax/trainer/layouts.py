@@ -83,6 +83,12 @@ class Layout:
     """[] bool: whether rows `x` (a micro-batch's inputs) hold any sequence (empty ones are skipped)."""
     return jnp.any(x["seq"] < self.seqs) if self.packed else jnp.any(x["input_mask"])
 
+  def input_tokens(self, x: dict) -> jax.Array:
+    """[] f32: the real tokens rows `x` feed the model (padding left out), what a MoE's router statistics are
+    over (rlax.models.hidden_states)."""
+    real = x["segment_ids"] > 0 if self.packed else x["input_mask"]
+    return jnp.sum(real.astype(jnp.float32))
+
   def segments(self, x: dict) -> algorithms.Segments:
     """Which sequence each slot of `x` (a batch's or a micro-batch's inputs) belongs to."""
     return algorithms.Segments(x["seq"], self.seqs) if self.packed else algorithms.Segments.rows()

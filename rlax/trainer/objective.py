@@ -85,7 +85,7 @@ def loss_inputs(algo: algorithms.AlgorithmConfig, batch: RolloutBatch | PackedBa
 
 def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmConfig, mb: LossInputs, *, num_tokens,
             num_seqs, num_rows: int, chunk: int = 256, temperature: float = 1.0, start: int = 0,
-            layout: Optional[layouts.Layout] = None) -> tuple[jax.Array, dict]:
+            layout: Optional[layouts.Layout] = None, num_inputs=None) -> tuple[jax.Array, dict]:
   """Loss of one micro-batch, normalized by full-batch denominators, and its metric sums.
 
   Per token: policy loss (x detached IS weight) + kl_coef * KL + entropy bonus,
@@ -93,7 +93,9 @@ def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmCon
   detached (exact for one update per batch), or the sampler's when
   algo.old_policy == "behaviour". Metrics are sums / extremes over this
   micro-batch; the trainer reduces them over micro-batches. `layout`: the batch's (default: padded rows
-  whose positions before `start` are not computed; their loss_mask must be 0).
+  whose positions before `start` are not computed; their loss_mask must be 0). A MoE policy adds its router
+  losses (rlax.models.moe.aux_loss) when their coefficients are set, this micro-batch's weighted by its share of
+  the full batch's `num_inputs` real input tokens (default: this micro-batch's own, one micro-batch).
   """
   layout = layout or layouts.Layout(packed=False, start=start, max_len=mb.loss_mask.shape[1] - start)
   seg = layout.segments(mb.model)
@@ -120,9 +122,10 @@ def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmCon
   max_len = algo.max_len or layout.max_len
   agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, num_rows=num_rows, max_len=max_len, segments=seg)
   loss = algorithms.aggregate(total, m, algo.loss_agg, **agg)
-  rows = jnp.asarray(m.shape[0], jnp.float32)
-  if router:  # a MoE policy's auxiliary losses: each micro-batch's router statistics, weighted by its rows
-    loss = loss + moe.aux_loss(model_cfg, router[0]) * rows / num_rows
+  inputs = layout.input_tokens(mb.model)
+  if router and (model_cfg.moe.load_balance_coef or model_cfg.moe.router_z_coef):  # else no gradient to spend
+    share = inputs / jnp.maximum(inputs if num_inputs is None else num_inputs, 1.0)
+    loss = loss + moe.aux_loss(model_cfg, router[0]) * share
 
   tokens = jnp.sum(m)
   ratio = jnp.where(m > 0, info["ratio"], jnp.nan)
@@ -145,7 +148,8 @@ def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmCon
       "tokens": tokens,
   }
   if router:
-    metrics.update(router_balance_sum=router[0].balance * rows, router_z_sum=router[0].z * rows, router_rows=rows)
+    stats = jax.lax.stop_gradient(router[0])
+    metrics.update(router_balance_sum=stats.balance * inputs, router_z_sum=stats.z * inputs, router_inputs=inputs)
   return loss, metrics
 
 
@@ -173,8 +177,8 @@ def reduce_metrics(stacked: dict, loss: jax.Array, grad_norm: jax.Array, lr: jax
 def _router_metrics(stacked: dict) -> dict:
   """A MoE policy's router statistics over the micro-batches that ran (rlax.models.moe.RouterStats): the
   load-balancing and z-losses, logged whether or not they are in the loss."""
-  if "router_rows" not in stacked:
+  if "router_inputs" not in stacked:
     return {}
-  rows = jnp.maximum(jnp.sum(stacked["router_rows"]), 1.0)
-  return {"router_balance": jnp.sum(stacked["router_balance_sum"]) / rows,
-          "router_z": jnp.sum(stacked["router_z_sum"]) / rows}
+  inputs = jnp.maximum(jnp.sum(stacked["router_inputs"]), 1.0)
+  return {"router_balance": jnp.sum(stacked["router_balance_sum"]) / inputs,
+          "router_z": jnp.sum(stacked["router_z_sum"]) / inputs}

@@ -332,11 +332,13 @@ class Trainer:
         batch = batch.replace(advantages=targets["advantages"])
     inputs = rl.loss_inputs(self.algo, batch, self.group_size, old)
     num_tokens, num_seqs = algorithms.denominators(inputs.loss_mask, layout.segments(inputs.model))
+    num_inputs = layout.input_tokens(inputs.model)
 
     def loss_fn(params, mb):
       return rl.rl_loss(self.variation.forward(params, base), self.model_cfg, self.algo, mb, num_tokens=num_tokens,
                         num_seqs=num_seqs,
-                        num_rows=batch.batch_size, chunk=self.chunk, temperature=self.temperature, layout=layout)
+                        num_rows=batch.batch_size, chunk=self.chunk, temperature=self.temperature, layout=layout,
+                        num_inputs=num_inputs)
 
     n = self.num_micro_batches(*batch.tokens.shape)
     grads, loss, stacked = accumulate_gradients(loss_fn, state.params, inputs, n, active=_has_loss)

@@ -95,7 +95,7 @@ def test_rl_loss_adds_the_router_losses_only_when_asked():
   tokens = U.random_tokens(batch=2, length=10, seed=5)
   x = {"tokens": jnp.asarray(tokens), "input_mask": jnp.ones((2, 10), jnp.int32)}
   (base, metrics), g0 = _rl_loss(cfg, params, x)
-  assert {"router_balance_sum", "router_z_sum", "router_rows"} <= set(metrics)
+  assert {"router_balance_sum", "router_z_sum", "router_inputs"} <= set(metrics)
   reduced = T.reduce_metrics(jax.tree.map(lambda a: a[None], dict(metrics, active=jnp.ones(()))), base,
                              jnp.ones(()), jnp.ones(()))
   lb, z = float(reduced["router_balance"]), float(reduced["router_z"])
@@ -108,6 +108,35 @@ def test_rl_loss_adds_the_router_losses_only_when_asked():
   assert "router_balance" not in T.reduce_metrics(
       jax.tree.map(lambda a: a[None], {k: v for k, v in metrics.items() if not k.startswith("router")}
                    | {"active": jnp.ones(())}), base, jnp.ones(()), jnp.ones(()))
+
+
+def test_router_losses_over_micro_batches_weigh_each_by_its_real_tokens():
+  """Two micro-batches with different amounts of padding: the loss adds coef x each micro-batch's statistic x
+  its share of the batch's real tokens, so the shares sum to 1 and the added loss is coef x the logged
+  (token-weighted) statistic; a packed batch's real tokens are its nonzero segment ids."""
+  cfg = M.ModelConfig(96, 32, 2, 4, 2, 8, 48, arch="qwen3_moe", qk_norm=True,
+                      moe=M.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=16, load_balance_coef=0.5))
+  params = U.scaled_params(cfg, seed=3)
+  mask = np.ones((4, 10), np.int32)
+  mask[2:, 6:] = 0  # the second micro-batch has 12 real tokens, the first 20
+  x = {"tokens": jnp.asarray(U.random_tokens(batch=4, length=10, seed=6)), "input_mask": jnp.asarray(mask)}
+  layout = layouts.Layout(packed=False)
+  mb = T.LossInputs(model=x, loss_mask=jnp.asarray(mask[:, 1:], jnp.float32),
+                    behaviour_logprobs=jnp.zeros((4, 9), jnp.float32), advantages=jnp.asarray([1.0, -1.0, 0.5, 0.0]))
+  algo = algorithms.get_algorithm("grpo")
+
+  def total(c):
+    fn = lambda p, m: T.rl_loss(p, c, algo, m, num_tokens=jnp.sum(mb.loss_mask), num_seqs=4, num_rows=4,
+                                layout=layout, num_inputs=layout.input_tokens(x))
+    _, loss, stacked = T.accumulate_gradients(fn, params, mb, 2)
+    return float(loss), T.reduce_metrics(stacked, loss, jnp.ones(()), jnp.ones(()))
+
+  plain, _ = total(cfg.replace(moe=dataclasses.replace(cfg.moe, load_balance_coef=0.0)))
+  with_aux, metrics = total(cfg)
+  assert float(layout.input_tokens(x)) == 32
+  np.testing.assert_allclose(with_aux - plain, 0.5 * float(metrics["router_balance"]), rtol=1e-5)
+  packed = layouts.Layout(packed=True, seqs=2)
+  assert float(packed.input_tokens({"segment_ids": jnp.asarray([[1, 1, 2, 0], [3, 0, 0, 0]])})) == 4
 
 
 def test_router_stats_need_a_moe_forward_without_a_cache():

@@ -68,7 +68,7 @@ def test_every_fed_token_has_its_experts_and_only_the_last_has_none(plain):
   out, batch = plain
   L, k = moe.replayed_routes(CFG)
   assert batch.routes.shape == (8, 8 + 16, L, k) and batch.routes.dtype == np.uint8
-  P, routes, mask = 8, np.asarray(batch.routes), np.asarray(batch.input_mask)
+  routes, mask = np.asarray(batch.routes), np.asarray(batch.input_mask)
   for b in range(8):
     real = np.flatnonzero(mask[b])
     assert np.all(routes[b, real[:-1]] < CFG.moe.n_experts)  # prompt and every token a forward fed
@@ -158,3 +158,15 @@ def test_routes_are_off_for_dense_models_and_with_replay_none():
     MoEConfig(n_experts=4, top_k=1, expert_mlp_dim=8, routing_replay="later")
   with pytest.raises(ValueError, match="n_experts=300 must be <= 255"):
     MoEConfig(n_experts=300, top_k=2, expert_mlp_dim=8)
+
+
+def test_host_rows_fetch_rows_from_the_devices_holding_them():
+  """The stream's collect takes finished rows' routes from each row's own shard (split by rows, or by rows and
+  another dim: then whole), in the order asked."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from rlax.sampler.stream import host_rows
+  mesh = jax.make_mesh((4, 2), ("data", "tensor"))
+  x = np.arange(8 * 4 * 2, dtype=np.uint8).reshape(8, 4, 2)
+  rows = np.asarray([5, 0, 7, 5])
+  for spec in (P("data"), P("data", "tensor"), P()):
+    np.testing.assert_array_equal(host_rows(jax.device_put(x, NamedSharding(mesh, spec)), rows), x[rows])
