@@ -43,6 +43,9 @@ def get_config(arg: str | None = None):
   c.rollout.max_new_tokens = 15 * 1024
   c.rollout.decode_chunk = 256
   c.rollout.slots = 1024           # the sampler's decode slots: a whole batch of rows at once
+  # Rows keep their keys and values across a weight swap (tokens after it attend to the older weights' cache):
+  # a recompute over every slot's whole 16k context needs 531 GiB of temporaries a chip (launch.plan, 2026-12-05).
+  c.rollout.on_swap = "keep"
   c.optimizer.micro_batches = 16   # 64 rows per micro-batch: one sequence per FSDP shard
   c.plan = plan_fields("v5p:8x8x8", 2)
   if arg == "32k":

@@ -26,7 +26,6 @@ def get_config(arg: str | None = None):
   c.rollout.max_new_tokens = 7 * 1024
   c.rollout.slots = 512
   c.plan = paper_qwq32b.plan_fields("v5p:8x8x8", 2)
-  c.rollout.on_swap = "keep"      # weights swap between chunks; no recompute of every slot's context
   if arg == "tiny":
     qwen3_moe_30b.shrink_moe(c)
   elif arg:

@@ -27,7 +27,6 @@ def get_config(arg: str | None = None):
   c.rollout.max_new_tokens = 7 * 1024
   c.optimizer.micro_batches = 16      # 32 rows per micro-batch: one sequence per row shard (data x FSDP)
   c.rollout.slots = 512
-  c.rollout.on_swap = "keep"      # weights swap between chunks; no recompute of every slot's context
   c.plan = paper_qwq32b.plan_fields("v5p:4x4x8", 2)
   if arg == "tiny":
     shrink_moe(c)
