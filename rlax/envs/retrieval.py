@@ -1,0 +1,268 @@
+"""Retrieval for search tools: passages of a corpus behind one small protocol, and one batching service per run.
+
+A retriever maps a batch of queries to each query's top-k passages (`search(queries, k)`; id, title, text,
+score, best first; a query nothing matches gets no passage). Three kinds, named by `make_retriever(spec, corpus)`:
+
+  "bm25"          BM25 over the corpus file (`bm25s`: pip install 'rlax[search]'); the index is built once
+                  and saved next to the corpus under a key of its content, and every later run loads it;
+  "http(s)://..." a retrieval server in Search-R1's protocol (POST {"queries", "topk", "return_scores"} to
+                  .../retrieve; each hit {"document": {"id", "contents" or "title"/"text"}, "score"}), e.g. a
+                  user's dense E5/BGE index;
+  "module:fn"     a user's function fn(queries, k) -> per query a list of Passage or dicts with those keys.
+
+`RetrievalService` owns one retriever for the whole run: episodes `await service.search(query, k)` from any
+event loop; a thread gathers the queries that arrive within `window_s` (at most `max_batch`) into one call, so
+concurrent episodes share a batch and the retriever's latency overlaps decoding as tool calls do. A caller
+bounds its wait with a deadline (asyncio.wait_for); a retriever error fails only the calls of that batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import queue
+import threading
+import time
+import urllib.request
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+from rlax import imports
+
+
+@dataclasses.dataclass(frozen=True)
+class Passage:
+  id: str
+  title: str
+  text: str
+  score: float = 0.0
+
+
+class Retriever(Protocol):
+  def search(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
+    """Each query's top-k passages, best first (fewer, or none, when fewer match)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusColumns:
+  """Which fields of a corpus row hold a passage's id, title and text (dotted paths reach nested fields). A row
+  with `contents` and no title (Search-R1's corpora: '"Title"\\ntext') is split at its first line."""
+  id: str = "id"
+  title: str = "title"
+  text: str = "text"
+
+
+def _field(row: dict, path: str) -> Any:
+  for part in path.split("."):
+    row = row.get(part) if isinstance(row, dict) else None
+  return row
+
+
+def _passage(row: dict, where: str, cols: CorpusColumns) -> Passage:
+  if not isinstance(row, dict):
+    raise ValueError(f"{where}: a corpus row must be an object, got {type(row).__name__}")
+  pid, title, text = _field(row, cols.id), _field(row, cols.title), _field(row, cols.text)
+  if text is None and isinstance(row.get("contents"), str):
+    head, _, rest = row["contents"].partition("\n")
+    title, text = (title if title is not None else head.strip().strip('"')), rest
+  if pid is None or text is None:
+    missing = cols.id if pid is None else cols.text
+    raise ValueError(f"{where}: no {missing!r} field (fields: {sorted(row)[:8]}); map it with the corpus columns")
+  return Passage(id=str(pid), title="" if title is None else str(title), text=str(text))
+
+
+def read_passages(path: str, columns: CorpusColumns = CorpusColumns()) -> list[Passage]:
+  """A corpus from a .jsonl or .parquet file or a `datasets` directory; one ValueError naming a bad row."""
+  from rlax.data import records
+  if records.is_dataset_dir(path):
+    import datasets
+    rows = datasets.load_from_disk(path)
+    return [_passage(dict(r), f"{path}:row {i}", columns) for i, r in enumerate(rows)]
+  if path.endswith(".parquet"):
+    import pyarrow.parquet as pq
+    return [_passage(r, f"{path}:row {i}", columns) for i, r in enumerate(pq.read_table(path).to_pylist())]
+  if not path.endswith((".jsonl", ".json")):
+    raise ValueError(f"corpus {path!r}: expected a .jsonl or .parquet file or a datasets directory")
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for i, line in enumerate(f):
+      if line.strip():
+        try:
+          row = json.loads(line)
+        except json.JSONDecodeError as e:
+          raise ValueError(f"{path}:{i + 1}: not JSON ({e})") from None
+        out.append(_passage(row, f"{path}:{i + 1}", columns))
+  return out
+
+
+def corpus_key(path: str) -> str:
+  """A key of the corpus's content (sha256 of its files' bytes, in name order), so that an edited corpus gets a
+  new index and an unchanged one finds the old."""
+  h = hashlib.sha256()
+  files = ([os.path.join(d, n) for d, _, names in sorted(os.walk(path)) for n in sorted(names)]
+           if os.path.isdir(path) else [path])
+  for name in files:
+    h.update(os.path.relpath(name, path).encode() if os.path.isdir(path) else b"")
+    with open(name, "rb") as f:
+      for block in iter(lambda: f.read(1 << 20), b""):
+        h.update(block)
+  return h.hexdigest()[:16]
+
+
+def _bm25s():
+  try:
+    import bm25s
+  except ImportError:
+    raise ValueError("retriever 'bm25' needs the bm25s package: pip install 'rlax[search]'") from None
+  return bm25s
+
+
+class BM25Retriever:
+  """BM25 (bm25s, English stopwords, lower-cased word tokens) over title + text of every passage. The index is
+  saved in `index_dir` (default: beside the corpus, `<corpus>.bm25-<corpus_key>`) and loaded when present."""
+
+  def __init__(self, corpus: str, columns: CorpusColumns = CorpusColumns(), index_dir: Optional[str] = None):
+    bm25s = _bm25s()
+    self.passages = read_passages(corpus, columns)
+    if not self.passages:
+      raise ValueError(f"corpus {corpus!r} holds no passage")
+    self.index_dir = index_dir or f"{corpus.rstrip(os.sep)}.bm25-{corpus_key(corpus)}"
+    self.built = not os.path.isfile(os.path.join(self.index_dir, "params.index.json"))
+    if self.built:
+      texts = [f"{p.title}\n{p.text}" for p in self.passages]
+      self.index = bm25s.BM25()
+      self.index.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
+      tmp = f"{self.index_dir}.tmp-{os.getpid()}"
+      self.index.save(tmp)
+      os.replace(tmp, self.index_dir)  # whole or absent: a killed build leaves no half index to load
+    else:
+      self.index = bm25s.BM25.load(self.index_dir)
+
+  def search(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
+    if not queries:
+      return []
+    bm25s = _bm25s()
+    k = max(1, min(int(k), len(self.passages)))
+    tokens = bm25s.tokenize(list(queries), stopwords="en", show_progress=False)
+    docs, scores = self.index.retrieve(tokens, k=k, show_progress=False, n_threads=1)
+    return [[dataclasses.replace(self.passages[int(d)], score=float(s)) for d, s in zip(row, srow) if s > 0]
+            for row, srow in zip(docs, scores)]
+
+
+class HttpRetriever:
+  """A retrieval server in Search-R1's protocol at `url` (…/retrieve)."""
+
+  def __init__(self, url: str, timeout_s: float = 30.0):
+    self.url, self.timeout_s = url, timeout_s
+
+  def search(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
+    body = json.dumps({"queries": list(queries), "topk": int(k), "return_scores": True}).encode()
+    req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+      result = json.loads(r.read()).get("result")
+    if not isinstance(result, list) or len(result) != len(queries):
+      raise ValueError(f"retrieval server {self.url}: expected 'result' with {len(queries)} lists")
+    out = []
+    for i, hits in enumerate(result):
+      row = []
+      for j, hit in enumerate(hits):
+        doc = hit.get("document", hit) if isinstance(hit, dict) else {}
+        p = _passage(doc, f"{self.url}: result {i} hit {j}", CorpusColumns())
+        row.append(dataclasses.replace(p, score=float(hit.get("score", 0.0))))
+      out.append(row)
+    return out
+
+
+class FunctionRetriever:
+  """A user's function fn(queries, k) -> per query a list of Passage or dicts (id, title, text, score)."""
+
+  def __init__(self, fn: Callable):
+    self.fn = fn
+
+  def search(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
+    result = self.fn(list(queries), k)
+    if len(result) != len(queries):
+      raise ValueError(f"retriever function returned {len(result)} lists for {len(queries)} queries")
+    return [[h if isinstance(h, Passage) else
+             dataclasses.replace(_passage(dict(h), "retriever function", CorpusColumns()), score=float(h.get("score", 0)))
+             for h in hits][:k] for hits in result]
+
+
+def make_retriever(spec: str, corpus: str = "", columns: CorpusColumns = CorpusColumns()) -> Retriever:
+  """The retriever `spec` names (see the module docstring); one ValueError naming what is wrong."""
+  if spec == "bm25":
+    if not corpus:
+      raise ValueError("retriever 'bm25' needs a corpus file (env.corpus)")
+    if not os.path.exists(corpus):
+      raise ValueError(f"corpus {corpus!r} does not exist")
+    return BM25Retriever(corpus, columns)
+  if spec.startswith(("http://", "https://")):
+    return HttpRetriever(spec)
+  if ":" in spec:
+    return FunctionRetriever(imports.by_path(spec, f"retriever {spec!r}", "a function"))
+  raise ValueError(f"retriever {spec!r}: use 'bm25', an http(s):// URL or 'module:function'")
+
+
+class RetrievalService:
+  """One retriever for the run, shared by every episode: queries that arrive within `window_s` of the first
+  (at most `max_batch`) go to the retriever in one call on this service's thread."""
+
+  def __init__(self, retriever: Retriever, window_s: float = 0.005, max_batch: int = 256):
+    self.retriever, self.window_s, self.max_batch = retriever, window_s, max_batch
+    self.batches, self.queries = 0, 0
+    self._q: queue.Queue = queue.Queue()
+    self._thread = threading.Thread(target=self._run, name="retrieval", daemon=True)
+    self._thread.start()
+
+  def submit(self, query: str, k: int) -> concurrent.futures.Future:
+    """A future of `query`'s top-k passages."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    if not self._thread.is_alive():
+      fut.set_exception(RuntimeError("the retrieval service is closed"))
+    else:
+      self._q.put((str(query), int(k), fut))
+    return fut
+
+  async def search(self, query: str, k: int) -> list[Passage]:
+    """`submit`, awaited on the caller's event loop (bound it with asyncio.wait_for for a deadline)."""
+    return await asyncio.wrap_future(self.submit(query, k))
+
+  def _run(self) -> None:
+    while True:
+      first = self._q.get()
+      if first is None:
+        return
+      batch, end = [first], time.monotonic() + self.window_s
+      while len(batch) < self.max_batch:
+        try:
+          item = self._q.get(timeout=max(0.0, end - time.monotonic()))
+        except queue.Empty:
+          break
+        if item is None:
+          self._q.put(None)  # finish this batch, then stop
+          break
+        batch.append(item)
+      self._answer([b for b in batch if b[2].set_running_or_notify_cancel()])
+
+  def _answer(self, batch: list) -> None:
+    """One retriever call per distinct k (callers that asked for fewer get their top-k)."""
+    for k in sorted({b[1] for b in batch}):
+      part = [b for b in batch if b[1] == k]
+      try:
+        hits = self.retriever.search([b[0] for b in part], k)
+      except Exception as e:  # the retriever is user code: its failure fails these calls, not the run
+        for b in part:
+          b[2].set_exception(e)
+        continue
+      self.batches, self.queries = self.batches + 1, self.queries + len(part)
+      for b, h in zip(part, hits):
+        b[2].set_result(list(h))
+
+  def close(self) -> None:
+    """Answers what was submitted, then stops the thread."""
+    if self._thread.is_alive():
+      self._q.put(None)
+      self._thread.join()
