@@ -13,7 +13,7 @@ import math as pymath
 from typing import Callable, Mapping
 
 from rlax import imports
-from rlax.rewards import code, gym, math, text
+from rlax.rewards import code, gym, math, qa, text
 
 RewardFn = Callable[[str, object], tuple[float, dict]]
 
@@ -26,6 +26,8 @@ _REGISTRY: dict[str, RewardFn] = {
     "code": code.code_reward,
     "digit_sort": text.exact_reward,
     "reasoning_gym": gym.reasoning_gym_reward,
+    "qa_em": qa.qa_em_reward,
+    "qa_f1": qa.qa_f1_reward,
 }
 _TASK_ALIASES = {"program": "code"}
 
