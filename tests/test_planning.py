@@ -28,6 +28,7 @@ NAMES = list(planning.PROGRAMS)
 def tiny_config(topology="local"):
   """The paper config shrunk (same code path): a 2-layer model on 2 slices of 4 devices."""
   c = paper_qwq32b.get_config("tiny")
+  c.rollout.on_swap = "recompute"  # so the plan compiles the recompute too (the paper's sizes keep caches)
   if topology != "local":
     c.topology.slice_size = None  # TPU devices carry their slice_index
     c.plan.topology = topology

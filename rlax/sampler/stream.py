@@ -355,17 +355,18 @@ class Stream:
 
 
 def host_rows(x: jax.Array, rows: np.ndarray) -> np.ndarray:
-  """x[rows] on the host (the stream's collect of finished routes), fetching only those rows: the slots' routes
-  are S x (P + N) x L x k bytes (1.6 GB at 512 slots x 8k x Qwen3-30B-A3B's 384), and a collect finds a few
-  rows done. Each row is sliced on a device
-  that holds it (x is split by rows over the sampler mesh; a slice of the global array would gather it first):
-  one compiled slice per shard shape."""
-  got = {}
+  """x[rows] on the host (the stream's collect of finished routes), fetching only the device shards that hold
+  those rows: the slots' routes are S x (P + N) x L x k bytes (1.6 GB at 512 slots x 8k x Qwen3-30B-A3B's
+  384), split by rows over the sampler mesh, and a collect finds a few rows done. A copy, not a computation:
+  nothing compiles (a slice would, once per device, and under the engine's mesh a one-device array cannot be
+  computed on)."""
+  got: dict[int, np.ndarray] = {}
   for shard in x.addressable_shards:
     if any(sl != slice(None) and (sl.start, sl.stop) != (0, n) for sl, n in zip(shard.index[1:], x.shape[1:])):
       return np.asarray(jax.device_get(x))[rows]  # split along another dim too: fetch it whole
     start, stop, _ = shard.index[0].indices(x.shape[0])
-    for r in rows:
-      if start <= r < stop and int(r) not in got:
-        got[int(r)] = jax.lax.dynamic_index_in_dim(shard.data, jnp.int32(r - start), keepdims=False)
-  return np.stack(jax.device_get([got[int(r)] for r in rows]))
+    mine = [int(r) for r in rows if start <= r < stop and int(r) not in got]
+    if mine:
+      local = np.asarray(shard.data)
+      got.update({r: local[r - start] for r in mine})
+  return np.stack([got[int(r)] for r in rows])
