@@ -56,23 +56,31 @@ def timed(fns: dict, reps: int) -> dict:
   return out
 
 
+def episodes_setup(turns: int):
+  """The W1 model and the episodes' prompts and per-turn token limits (W6, W8): (cfg, params, rng, prompts
+  [P lists], limits [P*G, turns]); 16 prompts x 4 samples unless --prompts/--samples say otherwise."""
+  from rlax import models as M
+  FLAGS.prompts = FLAGS.prompts if FLAGS["prompts"].present else 16
+  FLAGS.samples = FLAGS.samples if FLAGS["samples"].present else 4
+  cfg = workload.model_config()
+  rng = np.random.default_rng(0)
+  L = FLAGS.prompt_len
+  prompts = [[1] + rng.integers(3, FLAGS.vocab, L - 1).tolist() for _ in range(FLAGS.prompts)]
+  limits = rng.integers(FLAGS.turn_min, FLAGS.turn_max + 1, (FLAGS.prompts * FLAGS.samples, turns))
+  return cfg, M.create_params(cfg, seed=0), rng, prompts, limits
+
+
 def main(_):
   from rlax.allocator import reexec_with_tcmalloc, using_tcmalloc
   reexec_with_tcmalloc()
   import jax
   from rlax import envs
-  from rlax import models as M
   from rlax import sampler as S
 
-  FLAGS.prompts = FLAGS.prompts if FLAGS["prompts"].present else 16
-  FLAGS.samples = FLAGS.samples if FLAGS["samples"].present else 4
-  cfg = workload.model_config()
-  params = M.create_params(cfg, seed=0)
-  rng = np.random.default_rng(0)
-  P, G, K, A = FLAGS.prompts, FLAGS.samples, FLAGS.turns, FLAGS.tool_tokens
-  E, L = P * G, FLAGS.prompt_len
-  prompts = [[1] + rng.integers(3, FLAGS.vocab, L - 1).tolist() for _ in range(P)]
-  limits = rng.integers(FLAGS.turn_min, FLAGS.turn_max + 1, (E, K))
+  K, A = FLAGS.turns, FLAGS.tool_tokens
+  cfg, params, rng, prompts, limits = episodes_setup(K)
+  P, G, L = FLAGS.prompts, FLAGS.samples, FLAGS.prompt_len
+  E = P * G
   answers = rng.integers(3, FLAGS.vocab, (E, K, A))
   useful = int(limits.sum())
   budget = FLAGS.turn_max * K + A * (K - 1)

@@ -37,7 +37,8 @@ def _rss_gb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
 
-def _corpus(path: str, n: int, rng) -> list[str]:
+def corpus(path: str, n: int, rng) -> list[str]:
+  """Writes the synthetic corpus to `path` (JSONL); its texts. Also bench/search_episodes.py's corpus."""
   vocab = [f"w{i}" for i in range(50_000)]
   ids = np.minimum(rng.zipf(1.2, size=(n, 60)) - 1, len(vocab) - 1)
   texts = [" ".join(vocab[j] for j in row) for row in ids]
@@ -63,7 +64,7 @@ def main(_):
   out = {"passages": _PASSAGES.value, "batch": _BATCH.value}
   with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "corpus.jsonl")
-    texts = _corpus(path, _PASSAGES.value, rng)
+    texts = corpus(path, _PASSAGES.value, rng)
     n_q = _BATCH.value * _BATCHES.value
     picks = rng.integers(0, len(texts), n_q)
     queries = [" ".join(rng.choice(texts[i].split(), 8)) for i in picks]

@@ -27,6 +27,7 @@ from rlax.data.pipeline import RecordIterator
 from rlax.data.prompts import PromptRenderer
 from rlax.data.records import Record, read_records
 from rlax.envs import journal
+from rlax.envs import retrieval
 from rlax.models import hf
 from rlax.models.hf_tokenizer import Tokenizer
 from rlax.multihost import Channel, local_roles
@@ -110,10 +111,10 @@ def datasets(run: RunConfig) -> tuple[list[Record], list[Record]]:
       held, seen = _hold_out([train[i] for i in order], d.n_eval)
     train = [r for r in train if r.prompt not in seen]
   else:
-    gen = lambda n, seed: _shape_records(synthetic.generate(d.task, n, difficulty=d.difficulty, seed=seed,
-                                                            options=d.task_options), run)
-    held, seen = _hold_out(gen(d.n_eval * 8, d.eval_seed), d.n_eval)
-    train = [r for r in gen(d.n_train, run.seed) if r.prompt not in seen]
+    gen = lambda n, seed, split: _shape_records(synthetic.generate(d.task, n, difficulty=d.difficulty, seed=seed,
+                                                                   options=d.task_options, split=split), run)
+    held, seen = _hold_out(gen(d.n_eval * 8, d.eval_seed, "eval"), d.n_eval)
+    train = [r for r in gen(d.n_train, run.seed, "train") if r.prompt not in seen]
   if not train or not held:
     raise ValueError(f"data: {len(train)} train / {len(held)} held-out records after filtering; "
                      "widen data.ops, raise data.n_train or data.difficulty, or add records")
@@ -156,18 +157,20 @@ def episodes(run: RunConfig, tok: Tokenizer, render: PromptRenderer, reward, poo
   """`episodes(stream, sync, keys) -> EpisodeStream` over the configured environment (env.name "": one-turn
   episodes, rlax.envs.single_turn_episodes): one environment per episode, built by the registry's factory with the run's tokenizer, renderer, reward and
   verifier pool. keys=True (training): tool calls are journaled in <workdir>/tool_journal.jsonl, so a resumed
-  run replays the calls the killed one had finished."""
+  run replays the calls the killed one had finished. `make.close()` stops the run's retrieval service."""
   e = run.env
   if not e.name:
     return envs.single_turn_episodes(render, reward, pool.grade)
   factory = envs.get(e.name)
   ctx = envs.EnvContext(tokenizer=tok, render=render, reward_fn=reward, grade=pool.grade, pool=pool, config=e,
-                        journal=envs.ToolJournal(os.path.join(run.workdir, journal.FILE)))
+                        journal=envs.ToolJournal(os.path.join(run.workdir, journal.FILE)),
+                        retrieval=retrieval.service(e))
 
   def make(stream, sync: bool = False, keys: bool = False) -> envs.EpisodeStream:
     return envs.EpisodeStream(stream, lambda: factory(ctx), context_tokens=e.context_tokens,
                               turn_tokens=e.turn_tokens, sync=sync, keys=keys)
 
+  make.close = ctx.retrieval.close if ctx.retrieval is not None else (lambda: None)  # Sampling.close calls it
   return make
 
 

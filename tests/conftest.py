@@ -21,3 +21,17 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Each module's compiled programs are dropped when it ends: a worker that kept every module's grew past 8 GiB
+  by the end of the suite, and two of them plus a launched run overran a 24 GiB host. The persistent cache
+  makes a later module's recompile a load from disk."""
+  yield
+  jax.clear_caches()
+  gc.collect()

@@ -7,8 +7,13 @@ headquartered in a city). `corpus(world)` is its passages (id, title, text): two
 one per city and one per organization, so a fact sits in one passage and its neighbours are distractors that
 share names and words. `questions(world, split, n, seed)` asks 1-hop and 2-hop questions: every fact is
 either a training fact or a held-out one (by a hash of the entity and relation), and a question belongs to the
-split of the fact its answer is; held-out questions ask only what training questions never do. Each record
-carries `metadata`: hops, the supporting passage ids (retrieval recall) and the relation chain.
+split of the fact its answer is; held-out questions ask only what training questions never do. Each record's
+source is its hop count ("1-hop", "2-hop": pass@k is reported per source) and its `metadata` holds the
+supporting passage ids and the relation chain.
+
+As a task: `data.task="entities"` (`generate`; options {"two_hop_share": 0.5}: the training records come from
+the training facts, the held-out evaluation's from the held-out ones) over the corpus "rlax.data.entities:corpus"
+(world 0), the search environment's `env.corpus` (configs/search_tool.py).
 """
 
 from __future__ import annotations
@@ -125,6 +130,19 @@ def questions(world: World, split: str, n: int, seed: int, two_hop_share: float 
       answer, pid = by[(s, r)]
       text, chain, support = _ONE_HOP[r].format(s=s), [r], [pid]
     out.append(Record(id=f"entities-{world.world}-{split}-{seed}-{i}", prompt=text, answer=answer, task="search_qa",
-                      source="entities", metadata={"hops": len(chain), "relations": chain, "support_ids": support,
-                                                   "split": split}))
+                      source=f"{len(chain)}-hop", metadata={"hops": len(chain), "relations": chain,
+                                                            "support_ids": support, "split": split}))
   return out
+
+
+def corpus(world: int = 0) -> list[dict]:
+  """World `world`'s passages: the corpus of the `entities` task (env.corpus="rlax.data.entities:corpus")."""
+  return World(world).passages()
+
+
+def generate(n: int, difficulty: int = 1, seed: int = 0, split: str = "train", two_hop_share: float = 0.5
+             ) -> list[Record]:
+  """The `entities` task's records of world 0 (rlax.data.synthetic.GENERATORS); `difficulty` is unused: the hop
+  mix is `two_hop_share`."""
+  del difficulty
+  return questions(World(0), "heldout" if split == "eval" else "train", n, seed, two_hop_share=float(two_hop_share))

@@ -9,10 +9,12 @@ integer ≥ 1; what it controls is stated per task. The prompts ask for the fina
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 from typing import Callable
 
+from rlax.data import entities
 from rlax.data import expr
 from rlax.data import gym
 from rlax.data.records import Record
@@ -192,7 +194,7 @@ def digit_sort(n: int, difficulty: int = 1, seed: int = 0) -> list[Record]:
 
 
 GENERATORS = {"arithmetic": arithmetic, "countdown": countdown, "program": program, "digit_sort": digit_sort,
-              "multiplication": multiplication}
+              "multiplication": multiplication, "entities": entities.generate}
 
 
 def _mixture(spec: str) -> list[tuple[str, float]]:
@@ -212,10 +214,24 @@ def _mixture(spec: str) -> list[tuple[str, float]]:
   return out
 
 
-def generate(task: str, n: int, difficulty: int = 1, seed: int = 0, options: str = "") -> list[Record]:
+def _own(name: str, n: int, difficulty: int, seed: int, split: str, options: dict) -> list[Record]:
+  """A generator of GENERATORS with its options (keyword arguments) and, where it takes one, the split ("train"
+  or "eval": a task whose held-out records must ask what training never does, `entities`)."""
+  fn = GENERATORS[name]
+  params = inspect.signature(fn).parameters
+  unknown = [k for k in options if k not in params or k in ("n", "difficulty", "seed", "split")]
+  if unknown:
+    takes = [k for k in params if k not in ("n", "difficulty", "seed", "split")]
+    raise ValueError(f"data.task_options: task {name!r} has no option {unknown[0]!r} (its options: {takes or 'none'})")
+  return fn(n, difficulty=difficulty, seed=seed, **options, **({"split": split} if "split" in params else {}))
+
+
+def generate(task: str, n: int, difficulty: int = 1, seed: int = 0, options: str = "", split: str = "train"
+             ) -> list[Record]:
   """The records of `task`: a generator of GENERATORS, "reasoning_gym:<dataset>" (rlax.data.gym), or a
   weighted mixture "a=2,b=1" of those (n split by weight, shuffled together).
-  options: JSON, a task's options (reasoning-gym dataset config), or {task: options} for a mixture."""
+  options: JSON, a task's options (reasoning-gym dataset config, a generator's keyword arguments), or
+  {task: options} for a mixture. split: "train" or "eval" (rlax.builders.datasets draws each)."""
   try:
     opts = json.loads(options) if options else {}
   except json.JSONDecodeError as e:
@@ -232,7 +248,7 @@ def generate(task: str, n: int, difficulty: int = 1, seed: int = 0, options: str
     if name.startswith(gym.PREFIX):
       out += gym.records(name[len(gym.PREFIX):], k, seed=seed, options=own)
     elif name in GENERATORS:
-      out += GENERATORS[name](k, difficulty=difficulty, seed=seed)
+      out += _own(name, k, difficulty, seed, split, own)
     else:
       raise ValueError(f"unknown task {name!r}; choose from {sorted(GENERATORS)} or reasoning_gym:<dataset>")
   if len(mix) > 1:  # interleaved: a held-out set drawn from the front has every task

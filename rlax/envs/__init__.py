@@ -9,5 +9,6 @@ from rlax.envs.journal import ToolJournal
 from rlax.envs.one_turn import OneTurnEpisodes, single_turn_episodes
 from rlax.envs.registry import get, names, register
 from rlax.envs.renderers import JsonCalls, ParsedTurn, Renderer, TagCalls, ToolCall, renderer
+from rlax.envs.search_env import SearchEnv
 from rlax.envs.tool_env import CalculatorEnv, RetryEnv, SingleTurnEnv, ToolEnv
 from rlax.envs.tools import Tool, ToolResult, ToolRunner, calculator

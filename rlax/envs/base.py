@@ -95,13 +95,19 @@ class Environment(abc.ABC):
   async def step(self, turn: Turn) -> StepResult:
     ...
 
+  def metrics(self) -> dict[str, float]:
+    """The ended episode's own numbers (a search environment's searches, recall); each is averaged over the
+    episodes that report it and logged per step as env/<name>."""
+    return {}
+
 
 @dataclasses.dataclass(frozen=True)
 class EnvContext:
   """What an environment is built with: the tokenizer, the run's prompt renderer (rlax.data.prompts), the
   reward function, `grade(fn, texts, records) -> [(reward, info)]` (the verifier pool's), the verifier pool
-  itself (for tools: rlax.envs.tools.ToolRunner), the run's `env` config section and its tool-result
-  journal (rlax.envs.journal.ToolJournal; None: no journal)."""
+  itself (for tools: rlax.envs.tools.ToolRunner), the run's `env` config section, its tool-result
+  journal (rlax.envs.journal.ToolJournal; None: no journal) and its one retrieval service
+  (rlax.envs.retrieval.RetrievalService; None where env.retriever is unset)."""
   tokenizer: Any
   render: Any
   reward_fn: Any
@@ -109,3 +115,4 @@ class EnvContext:
   pool: Any
   config: "EnvConfig"
   journal: Any = None
+  retrieval: Any = None

@@ -270,7 +270,8 @@ class EpisodeStream:
       self.stream.release(ep.row)
     del self._groups[g.key]
     stats = [dict(turns=ep.turns, rows=len(ep.parts) + 1, calls=list(ep.calls), stop=ep.stop, appended=ep.appended,
-                  tokens=int(out.lengths[i]), info=ep.info) for i, ep in enumerate(g.episodes)]
+                  tokens=int(out.lengths[i]), info=ep.info, metrics=ep.env.metrics())
+             for i, ep in enumerate(g.episodes)]
     return FinishedEpisodes(g.tag, out, np.array([ep.reward for ep in g.episodes], np.float32), stats,
                             np.concatenate([f for _, f in rows]))
 
@@ -341,7 +342,8 @@ class EpisodeStream:
 
 def batch_stats(episodes: Sequence[dict]) -> dict[str, float]:
   """Step metrics over episodes: turns, rows and tool calls per episode, the share of each stop reason and call
-  outcome, the valid-tool-call rate, and the share of appended (not sampled) tokens in the responses."""
+  outcome, the valid-tool-call rate, the share of appended (not sampled) tokens in the responses, and each of
+  the environments' own metrics (Environment.metrics) averaged over the episodes that report it."""
   n = max(1, len(episodes))
   calls = [c for e in episodes for c in e["calls"]]
   tokens = sum(e["tokens"] for e in episodes)
@@ -353,6 +355,10 @@ def batch_stats(episodes: Sequence[dict]) -> dict[str, float]:
     out[f"env/stop_{s}"] = sum(e["stop"] == s for e in episodes) / n
   for c in CALL_OUTCOMES:
     out[f"env/calls_{c}"] = float(sum(x == c for x in calls))
+  own = [e.get("metrics") or {} for e in episodes]
+  for k in sorted({k for m in own for k in m}):
+    values = [float(m[k]) for m in own if k in m]
+    out[f"env/{k}"] = sum(values) / len(values)
   return out
 
 

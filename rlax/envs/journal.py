@@ -38,9 +38,9 @@ _OPEN: "weakref.WeakValueDictionary[str, ToolJournal]" = weakref.WeakValueDictio
 
 
 def fingerprint(tools: Sequence, available: bool, output_chars: int, timeout_s: float) -> str:
-  """The tool configuration a result depends on: the tools' schemas (names included), whether they run, the
-  output limit and the deadline."""
-  schemas = sorted(json.dumps(t.schema(), sort_keys=True) for t in tools)
+  """The tool configuration a result depends on: the tools' schemas (names included) and versions, whether they
+  run, the output limit and the deadline."""
+  schemas = sorted(json.dumps([t.schema(), t.version], sort_keys=True) for t in tools)
   blob = json.dumps([schemas, bool(available), int(output_chars), float(timeout_s)])
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

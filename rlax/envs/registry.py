@@ -7,11 +7,13 @@ from typing import Callable
 
 from rlax import imports
 from rlax.envs.base import EnvContext, Environment
+from rlax.envs.search_env import SearchEnv
 from rlax.envs.tool_env import CalculatorEnv, RetryEnv, SingleTurnEnv
 
 EnvFactory = Callable[[EnvContext], Environment]
 
-_REGISTRY: dict[str, EnvFactory] = {"single_turn": SingleTurnEnv, "calculator": CalculatorEnv, "retry": RetryEnv}
+_REGISTRY: dict[str, EnvFactory] = {"single_turn": SingleTurnEnv, "calculator": CalculatorEnv, "retry": RetryEnv,
+                                       "search": SearchEnv}
 
 
 def register(name: str, factory: EnvFactory, overwrite: bool = False) -> None:

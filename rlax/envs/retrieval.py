@@ -3,12 +3,15 @@
 A retriever maps a batch of queries to each query's top-k passages (`search(queries, k)`; id, title, text,
 score, best first; a query nothing matches gets no passage). Three kinds, named by `make_retriever(spec, corpus)`:
 
-  "bm25"          BM25 over the corpus file (`bm25s`: pip install 'rlax[search]'); the index is built once
-                  and saved next to the corpus under a key of its content, and every later run loads it;
+  "bm25"          BM25 over the corpus (`bm25s`: pip install 'rlax[search]'): a file, or "module:fn" whose fn()
+                  gives the passages (a generated corpus); the index is built once and saved under a key of the
+                  corpus's content (beside a file; in ~/.cache/rlax/bm25 for a function), and every later run
+                  loads it;
   "http(s)://..." a retrieval server in Search-R1's protocol (POST {"queries", "topk", "return_scores"} to
                   .../retrieve; each hit {"document": {"id", "contents" or "title"/"text"}, "score"}), e.g. a
                   user's dense E5/BGE index;
-  "module:fn"     a user's function fn(queries, k) -> per query a list of Passage or dicts with those keys.
+  "module:fn"     a user's function fn(queries, k) -> per query a list of Passage or dicts with those keys
+                  (`no_passages` here: every search finds nothing, a control run's retriever).
 
 `RetrievalService` owns one retriever for the whole run: episodes `await service.search(query, k)` from any
 event loop; a thread gathers the queries that arrive within `window_s` (at most `max_batch`) into one call, so
@@ -112,6 +115,26 @@ def corpus_key(path: str) -> str:
   return h.hexdigest()[:16]
 
 
+def corpus_passages(corpus: str, columns: CorpusColumns = CorpusColumns()) -> tuple[list[Passage], str]:
+  """(passages, where their BM25 index lives) of a corpus file or directory, or of "module:fn" (fn() -> Passages
+  or dicts with id/title/text); one ValueError naming what is wrong."""
+  if ":" in corpus and not os.path.exists(corpus):
+    rows = imports.by_path(corpus, f"corpus {corpus!r}", "a function")()
+    passages = [p if isinstance(p, Passage) else _passage(p, f"corpus {corpus}: passage {i}", columns)
+                for i, p in enumerate(rows)]
+    blob = json.dumps([dataclasses.astuple(p) for p in passages]).encode()
+    home = os.environ.get("RLAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlax"))
+    return passages, os.path.join(home, "bm25", f"{corpus.replace(':', '.')}-{hashlib.sha256(blob).hexdigest()[:16]}")
+  if not os.path.exists(corpus):
+    raise ValueError(f"corpus {corpus!r} does not exist")
+  return read_passages(corpus, columns), f"{corpus.rstrip(os.sep)}.bm25-{corpus_key(corpus)}"
+
+
+def no_passages(queries: Sequence[str], k: int) -> list[list[Passage]]:
+  """A retriever that finds nothing: a control run's (what the policy does when search never helps)."""
+  return [[] for _ in queries]
+
+
 def _bm25s():
   try:
     import bm25s
@@ -122,20 +145,21 @@ def _bm25s():
 
 class BM25Retriever:
   """BM25 (bm25s, English stopwords, lower-cased word tokens) over title + text of every passage. The index is
-  saved in `index_dir` (default: beside the corpus, `<corpus>.bm25-<corpus_key>`) and loaded when present."""
+  saved in `index_dir` (default: `corpus_passages`'s place for it) and loaded when present."""
 
   def __init__(self, corpus: str, columns: CorpusColumns = CorpusColumns(), index_dir: Optional[str] = None):
     bm25s = _bm25s()
-    self.passages = read_passages(corpus, columns)
+    self.passages, default_dir = corpus_passages(corpus, columns)
     if not self.passages:
       raise ValueError(f"corpus {corpus!r} holds no passage")
-    self.index_dir = index_dir or f"{corpus.rstrip(os.sep)}.bm25-{corpus_key(corpus)}"
+    self.index_dir = index_dir or default_dir
     self.built = not os.path.isfile(os.path.join(self.index_dir, "params.index.json"))
     if self.built:
       texts = [f"{p.title}\n{p.text}" for p in self.passages]
       self.index = bm25s.BM25()
       self.index.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
       tmp = f"{self.index_dir}.tmp-{os.getpid()}"
+      os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
       self.index.save(tmp)
       os.replace(tmp, self.index_dir)  # whole or absent: a killed build leaves no half index to load
     else:
@@ -191,13 +215,19 @@ class FunctionRetriever:
              for h in hits][:k] for hits in result]
 
 
+def service(cfg) -> Optional["RetrievalService"]:
+  """The run's retrieval service from its `env` section (rlax.envs.config.EnvConfig), None where env.retriever is
+  unset; called once per run by rlax.builders.episodes."""
+  if not cfg.retriever:
+    return None
+  return RetrievalService(make_retriever(cfg.retriever, cfg.corpus), window_s=cfg.retrieval_window_ms / 1000)
+
+
 def make_retriever(spec: str, corpus: str = "", columns: CorpusColumns = CorpusColumns()) -> Retriever:
   """The retriever `spec` names (see the module docstring); one ValueError naming what is wrong."""
   if spec == "bm25":
     if not corpus:
-      raise ValueError("retriever 'bm25' needs a corpus file (env.corpus)")
-    if not os.path.exists(corpus):
-      raise ValueError(f"corpus {corpus!r} does not exist")
+      raise ValueError("retriever 'bm25' needs a corpus (env.corpus)")
     return BM25Retriever(corpus, columns)
   if spec.startswith(("http://", "https://")):
     return HttpRetriever(spec)

@@ -77,6 +77,10 @@ class ToolEnv(Environment):
   async def final_reward(self, text: str) -> tuple[float, dict]:
     return await grade(self.ctx, text, self.record)
 
+  async def run_calls(self, calls, key) -> list[tools_lib.ToolResult]:
+    """One turn's calls, one result each (the runner's; a subclass may watch them)."""
+    return await self.runner.run(calls, key=key)
+
   async def step(self, turn: Turn) -> StepResult:
     self.turns += 1
     text = self.ctx.tokenizer.decode(turn.tokens)
@@ -92,7 +96,7 @@ class ToolEnv(Environment):
     if self.calls + len(parsed.calls) > self.cfg.max_tool_calls:
       return StepResult(done=True, stop_reason="max_tool_calls", calls=outcomes)
     self.calls += len(parsed.calls)
-    results = await self.runner.run(parsed.calls, key=turn.key)
+    results = await self.run_calls(parsed.calls, turn.key)
     outcomes += [r.outcome for r in results]
     parts = [f"error: {e}" for e in parsed.errors] + [r.output for r in results]
     return self.answer(text, parts, "tool", turn, calls=outcomes)

@@ -9,6 +9,8 @@
 A call runs in a grading process of the `VerifierPool` under its deadline and address-space cap, and like
 every job there its whole process tree dies with it (`rlax.rewards.processes`); its output is cut to
 `output_chars` inside that process (a 10 MB answer never crosses the pipe) and comes back as JSON. A tool
+whose function is a coroutine (`async def`) is a client of a service the run owns (the search tool's
+retrieval service): it runs on the episode's event loop under the same deadline, never on policy code. A tool
 that cannot be pickled (sent to a worker) is refused when the ToolRunner is built, with one ValueError line,
 unless `in_process=True` opts in to run it in threads of this process, where a hung call cannot be stopped
 and no memory cap applies. A malformed call, an unknown tool, bad or too long arguments, an exception, a
@@ -42,9 +44,10 @@ class Tool:
   fn: Callable
   description: str
   parameters: dict  # JSON schema of the arguments
+  version: str = ""  # what else its results depend on (a corpus's key): part of the journal's fingerprint
 
   @classmethod
-  def from_function(cls, fn: Callable, name: Optional[str] = None) -> "Tool":
+  def from_function(cls, fn: Callable, name: Optional[str] = None, version: str = "") -> "Tool":
     """A tool named after `fn` (or `name`), described by its docstring's first paragraph, with a JSON schema
     from its type hints (str, int, float, bool, list, dict); arguments without a default are required."""
     hints = typing.get_type_hints(fn)
@@ -59,7 +62,11 @@ class Tool:
         required.append(p.name)
     doc = inspect.getdoc(fn) or ""
     return cls(name or fn.__name__, fn, doc.split("\n\n")[0].strip(),
-               {"type": "object", "properties": props, "required": required})
+               {"type": "object", "properties": props, "required": required}, version)
+
+  @property
+  def is_async(self) -> bool:
+    return inspect.iscoroutinefunction(self.fn)
 
   def schema(self) -> dict:
     """The OpenAI-style function schema chat templates take as `tools=`."""
@@ -110,7 +117,7 @@ class ToolRunner:
     self.journal = journal if journal is None else journal.bind(tools, available, output_chars, timeout_s)
     self.in_process = in_process
     self.tools = {t.name: t for t in tools}
-    self._invoke = {t.name: _Invoke(t.fn, output_chars) for t in tools}
+    self._invoke = {t.name: _Invoke(t.fn, output_chars) for t in tools if not t.is_async}
     for name, invoke in self._invoke.items():
       try:
         processes.dumps(invoke)
@@ -121,7 +128,8 @@ class ToolRunner:
                            "function, or opt in with ToolRunner(in_process=True) to run it in this process with "
                            "no kill and no memory cap") from None
 
-  def _check(self, call: ToolCall) -> Optional[ToolResult]:
+  def check(self, call: ToolCall) -> Optional[ToolResult]:
+    """The error observation of a call that cannot run (unknown tool, arguments off the schema), or None."""
     tool = self.tools.get(call.name)
     if tool is None:
       return ToolResult(f"error: unknown tool {call.name[:64]!r}; tools: {', '.join(self.tools)}", "unknown_tool")
@@ -146,10 +154,12 @@ class ToolRunner:
       return [ToolResult(f"error: the tool runner failed: {type(e).__name__}", "tool_error") for _ in calls]
 
   async def _run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
-    results: list[Optional[ToolResult]] = [self._check(c) for c in calls]
+    results: list[Optional[ToolResult]] = [self.check(c) for c in calls]
     if not self.available:
       return [r or ToolResult("error: the tool is unavailable", "tool_error") for r in results]
-    todo = [i for i, r in enumerate(results) if r is None]
+    here = [i for i, r in enumerate(results) if r is None and self.tools[calls[i].name].is_async]
+    todo = [i for i, r in enumerate(results) if r is None and i not in here]
+    served = asyncio.gather(*(self._serve(calls[i]) for i in here))
     if todo:
       batch = self.pool.submit([self._invoke[calls[i].name] for i in todo],
                                [json.dumps(calls[i].arguments) for i in todo], [None] * len(todo), self.timeout_s,
@@ -158,7 +168,21 @@ class ToolRunner:
       graded = await asyncio.to_thread(batch.results)
       for i, (_, info) in zip(todo, graded):
         results[i] = _result(info, self.timeout_s)
+    for i, r in zip(here, await served):
+      results[i] = r
     return results
+
+  async def _serve(self, call: ToolCall) -> ToolResult:
+    """An async tool's call on this event loop, under the deadline; its output cut as in a process."""
+    try:
+      out = str(await asyncio.wait_for(self.tools[call.name].fn(**call.arguments), self.timeout_s))
+    except asyncio.TimeoutError:
+      return ToolResult(f"error: the tool did not finish within {self.timeout_s:g}s", "timeout")
+    except Exception as e:  # pylint: disable=broad-except
+      return ToolResult(f"error: {type(e).__name__}: {e}"[:500], "tool_error")
+    if len(out) > self.output_chars:
+      return ToolResult(out[:self.output_chars], "truncated")
+    return ToolResult(out, "ok")
 
 
 def _result(info: dict, timeout_s: float) -> ToolResult:

@@ -86,4 +86,5 @@ class SamplerRole:
       self.evaluate(parts, "after")
 
   def close(self) -> None:
+    getattr(self.episodes, "close", lambda: None)()  # a multi-turn run's retrieval service
     self.pool.close()

@@ -30,3 +30,31 @@ def test_answers_live_in_their_passages_and_splits_never_meet():
   assert asked["train"] and asked["heldout"] and not asked["train"] & asked["heldout"]
   with pytest.raises(ValueError, match="split='test'"):
     E.questions(world, "test", 1, seed=0)
+
+
+def test_the_task_draws_training_and_held_out_records_from_their_own_facts():
+  from rlax.data import synthetic
+  train = synthetic.generate("entities", 200, seed=1, split="train")
+  held = synthetic.generate("entities", 64, seed=2, split="eval", options='{"two_hop_share": 1.0}')
+  assert {r.metadata["split"] for r in train} == {"train"} and {r.metadata["split"] for r in held} == {"heldout"}
+  assert {r.source for r in held} == {"2-hop"} and {r.source for r in train} == {"1-hop", "2-hop"}
+  asked = lambda rs: {(r.prompt, r.answer) for r in rs}
+  assert not asked(train) & asked(held)
+  with pytest.raises(ValueError, match="task 'entities' has no option 'world'.*two_hop_share"):
+    synthetic.generate("entities", 4, options='{"world": 3}')
+  with pytest.raises(ValueError, match="task 'arithmetic' has no option 'x'"):
+    synthetic.generate("arithmetic", 4, options='{"x": 1}')
+
+
+def test_the_corpus_is_the_worlds_passages_and_bm25_finds_each_questions_support(tmp_path, monkeypatch):
+  from rlax.envs import retrieval
+  monkeypatch.setenv("RLAX_CACHE", str(tmp_path))
+  bm25 = retrieval.make_retriever("bm25", "rlax.data.entities:corpus")
+  assert bm25.built and bm25.index_dir.startswith(str(tmp_path / "bm25" / "rlax.data.entities.corpus-"))
+  assert not retrieval.make_retriever("bm25", "rlax.data.entities:corpus").built  # loaded the second time
+  qs = E.questions(E.World(0), "heldout", 64, seed=0, two_hop_share=0.0)
+  subjects = [r.prompt.split(" of ")[-1].split(" was ")[-1].removeprefix("the ").rstrip("?").removesuffix(" born")
+              .removesuffix(" founded") for r in qs]
+  hits = bm25.search(subjects, 3)
+  found = sum(r.metadata["support_ids"][0] in {p.id for p in h} for r, h in zip(qs, hits))
+  assert found >= 0.9 * len(qs), found  # a query of the entity's name finds its passage

@@ -160,3 +160,28 @@ def test_tool_env_turns_errors_into_observations_and_counts_stops(pool):
   assert r.done and r.stop_reason == "length" and r.reward == 0.0
   r, = asyncio.run(episode("<calc>23*47</calc>", finish="stop"))  # no end token sampled: the marker is added
   assert _Tok().decode(r.tokens).startswith("<|im_end|>\n<|im_start|>tool\n1081")
+
+
+def test_async_tools_run_on_the_loop_under_the_deadline_and_are_fingerprinted():
+  from rlax.envs import journal
+
+  async def lookup(key: str) -> str:
+    """Looks up a key."""
+    if key == "slow":
+      await asyncio.sleep(5)
+    if key == "bad":
+      raise KeyError(key)
+    return key * 10
+
+  tool = tools.Tool.from_function(lookup)
+  assert tool.is_async and tool.parameters["required"] == ["key"]
+  runner = tools.ToolRunner(None, [tool], timeout_s=0.2, output_chars=12)  # no pool: async tools need none
+  calls = [renderers.ToolCall("lookup", {"key": k}) for k in ("ab", "a", "slow", "bad")] + [
+      renderers.ToolCall("lookup", {"key": 1})]
+  t0 = time.monotonic()
+  out = asyncio.run(runner.run(calls))
+  assert time.monotonic() - t0 < 2
+  assert [r.outcome for r in out] == ["truncated", "ok", "timeout", "tool_error", "bad_arguments"]
+  assert out[0].output == "ab" * 6 and out[1].output == "a" * 10 and "KeyError" in out[3].output
+  fp = lambda t: journal.fingerprint([t], True, 12, 0.2)
+  assert fp(tool) != fp(tools.Tool.from_function(lookup, version="corpus-2"))

@@ -1,0 +1,40 @@
+"""SmolLM2-135M-Instruct learns to search: multi-turn episodes over a BM25 index, GRPO, exact-match reward.
+
+  python -m launch.main --config=configs/search_tool.py
+  python -m launch.main --config=configs/search_tool.py:control   # every search finds nothing
+  python -m launch.main --config=configs/search_tool.py:smoke     # 2 steps: does it all run?
+
+Questions about a generated encyclopedia of fictional people, cities and organizations (`data.task=entities`,
+rlax.data.entities): no pretrained model knows the answers, so only searching can find them. Half the questions
+need two searches ("In which country was X born?": X's birthplace, then its country); held-out questions ask
+facts that no training question asks. The corpus ("rlax.data.entities:corpus", ~360 passages) is indexed with
+BM25 once (~/.cache/rlax/bm25). The conversation: the search system prompt, `env.examples` worked examples
+(`<search>query</search>`, a tool turn of passages, `<answer>...</answer>`: SmolLM2's template has no tool
+block), then the question. The reward: normalized exact match of the last turn's answer (qa_em); a passage
+never reaches the grader. Held-out pass@1 is reported per hop count (pass@1/1-hop, pass@1/2-hop).
+"""
+
+from configs import smollm2
+
+
+def get_config(arg: str | None = None):
+  c = smollm2.get_config()  # the same model, devices, algorithm and optimizer as the one-shot example
+  c.workdir = "runs/search_tool"
+  c.rollout.update(max_prompt_len=448, max_new_tokens=192)
+  c.controller.steps = 20
+  c.optimizer.micro_batch_tokens = 1280  # two packed episodes a micro-batch
+  c.data.update(task="entities", n_train=4096, n_eval=64, system_prompt="")  # the environment prompts
+  c.reward.update(name="qa_em")
+  c.env.update(name="search", retriever="bm25", corpus="rlax.data.entities:corpus", top_k=3, passage_chars=200,
+               max_turns=3, max_tool_calls=2, turn_tokens=24, examples=2)
+  if arg == "control":
+    c.workdir = "runs/search_tool_control"
+    c.env.retriever = "rlax.envs.retrieval:no_passages"
+  elif arg == "smoke":
+    c.workdir = "runs/search_tool_smoke"
+    c.controller.steps = 2
+    c.data.n_eval = 8
+    c.eval.n_samples = 2
+  elif arg:
+    raise ValueError(f"configs/search_tool.py: unknown argument {arg!r}; use 'control' or 'smoke'")
+  return c
