@@ -20,13 +20,15 @@ from configs import smollm2
 def get_config(arg: str | None = None):
   c = smollm2.get_config()  # the same model, devices, algorithm and optimizer as the one-shot example
   c.workdir = "runs/search_tool"
-  c.rollout.update(max_prompt_len=448, max_new_tokens=192)
-  c.controller.steps = 20
-  c.optimizer.micro_batch_tokens = 1280  # two packed episodes a micro-batch
+  # 32 slots: 64 of 768 tokens would need 5.1 GB per device (f32 cache and recompute), over a CPU device's 3 GB.
+  c.rollout.update(max_prompt_len=448, max_new_tokens=320, slots=32)
+  c.controller.steps = 12
+  c.optimizer.micro_batch_tokens = 1536  # two packed episodes of ~700 tokens a micro-batch
   c.data.update(task="entities", n_train=4096, n_eval=64, system_prompt="")  # the environment prompts
   c.reward.update(name="qa_em")
-  c.env.update(name="search", retriever="bm25", corpus="rlax.data.entities:corpus", top_k=3, passage_chars=200,
-               max_turns=3, max_tool_calls=2, turn_tokens=24, examples=2)
+  # bm25_fuzzy: a name misspelt in the query (a small model's usual slip) still finds its passages.
+  c.env.update(name="search", retriever="bm25_fuzzy", corpus="rlax.data.entities:corpus", top_k=3,
+               passage_chars=200, max_turns=3, max_tool_calls=2, turn_tokens=24, examples=3)
   if arg == "control":
     c.workdir = "runs/search_tool_control"
     c.env.retriever = "rlax.envs.retrieval:no_passages"

@@ -24,9 +24,11 @@ import random
 
 from rlax.data.records import Record
 
-_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kl", "tr", "st", "qu"]
-_VOWELS = ["a", "e", "i", "o", "u", "ae", "io", "ou"]
-_CODAS = ["", "n", "r", "s", "l", "th", "x", "nd"]
+# Plain syllables (one consonant, one vowel, an optional coda): names a small model can copy into a query
+# letter for letter, and that tokenize short.
+_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "h"]
+_VOWELS = ["a", "e", "i", "o", "u"]
+_CODAS = ["", "", "n", "r", "l", "s"]
 _JOBS = ["cartographer", "glassblower", "astronomer", "shipwright", "botanist", "archivist", "composer", "engineer"]
 _KINDS = ["guild", "company", "academy", "society", "foundry", "observatory"]
 SPLITS = ("train", "heldout")

@@ -7,6 +7,8 @@ score, best first; a query nothing matches gets no passage). Three kinds, named 
                   gives the passages (a generated corpus); the index is built once and saved under a key of the
                   corpus's content (beside a file; in ~/.cache/rlax/bm25 for a function), and every later run
                   loads it;
+  "bm25_fuzzy"    the same over words and their character trigrams: a misspelt name ("Moschen Nevi" for "Mosnan
+                  Nevi") still finds its passages, an exact one ranks first;
   "http(s)://..." a retrieval server in Search-R1's protocol (POST {"queries", "topk", "return_scores"} to
                   .../retrieve; each hit {"document": {"id", "contents" or "title"/"text"}, "score"}), e.g. a
                   user's dense E5/BGE index;
@@ -143,21 +145,39 @@ def _bm25s():
   return bm25s
 
 
-class BM25Retriever:
-  """BM25 (bm25s, English stopwords, lower-cased word tokens) over title + text of every passage. The index is
-  saved in `index_dir` (default: `corpus_passages`'s place for it) and loaded when present."""
+def _words(text: str, trigrams: bool) -> list[str]:
+  """Lower-cased alphanumeric words less English stopwords, each followed by its character trigrams (of
+  "#word#") with `trigrams`."""
+  from bm25s.stopwords import STOPWORDS_EN  # pylint: disable=g-import-not-at-top
+  out = []
+  for w in "".join(c.lower() if c.isalnum() else " " for c in text).split():
+    if w in STOPWORDS_EN:
+      continue
+    out.append(w)
+    if trigrams:
+      p = f"#{w}#"
+      out += [p[i:i + 3] for i in range(len(p) - 2)]
+  return out
 
-  def __init__(self, corpus: str, columns: CorpusColumns = CorpusColumns(), index_dir: Optional[str] = None):
+
+class BM25Retriever:
+  """BM25 (bm25s, English stopwords, lower-cased word tokens; with `fuzzy` their character trigrams too) over
+  title + text of every passage. The index is saved in `index_dir` (default: `corpus_passages`'s place for it)
+  and loaded when present."""
+
+  def __init__(self, corpus: str, columns: CorpusColumns = CorpusColumns(), index_dir: Optional[str] = None,
+               fuzzy: bool = False):
     bm25s = _bm25s()
     self.passages, default_dir = corpus_passages(corpus, columns)
     if not self.passages:
       raise ValueError(f"corpus {corpus!r} holds no passage")
-    self.index_dir = index_dir or default_dir
+    self.fuzzy = fuzzy
+    self.index_dir = index_dir or (default_dir + ("-fuzzy" if fuzzy else ""))
     self.built = not os.path.isfile(os.path.join(self.index_dir, "params.index.json"))
     if self.built:
       texts = [f"{p.title}\n{p.text}" for p in self.passages]
       self.index = bm25s.BM25()
-      self.index.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
+      self.index.index(self._tokens(texts), show_progress=False)
       tmp = f"{self.index_dir}.tmp-{os.getpid()}"
       os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
       self.index.save(tmp)
@@ -165,13 +185,16 @@ class BM25Retriever:
     else:
       self.index = bm25s.BM25.load(self.index_dir)
 
+  def _tokens(self, texts: Sequence[str]):
+    if self.fuzzy:
+      return [_words(t, True) for t in texts]
+    return _bm25s().tokenize(list(texts), stopwords="en", show_progress=False)
+
   def search(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
     if not queries:
       return []
-    bm25s = _bm25s()
     k = max(1, min(int(k), len(self.passages)))
-    tokens = bm25s.tokenize(list(queries), stopwords="en", show_progress=False)
-    docs, scores = self.index.retrieve(tokens, k=k, show_progress=False, n_threads=1)
+    docs, scores = self.index.retrieve(self._tokens(list(queries)), k=k, show_progress=False, n_threads=1)
     return [[dataclasses.replace(self.passages[int(d)], score=float(s)) for d, s in zip(row, srow) if s > 0]
             for row, srow in zip(docs, scores)]
 
@@ -225,10 +248,10 @@ def service(cfg) -> Optional["RetrievalService"]:
 
 def make_retriever(spec: str, corpus: str = "", columns: CorpusColumns = CorpusColumns()) -> Retriever:
   """The retriever `spec` names (see the module docstring); one ValueError naming what is wrong."""
-  if spec == "bm25":
+  if spec in ("bm25", "bm25_fuzzy"):
     if not corpus:
-      raise ValueError("retriever 'bm25' needs a corpus (env.corpus)")
-    return BM25Retriever(corpus, columns)
+      raise ValueError(f"retriever {spec!r} needs a corpus (env.corpus)")
+    return BM25Retriever(corpus, columns, fuzzy=spec == "bm25_fuzzy")
   if spec.startswith(("http://", "https://")):
     return HttpRetriever(spec)
   if ":" in spec:

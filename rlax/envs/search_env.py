@@ -28,23 +28,29 @@ MAX_QUERY_CHARS = 500  # a policy's query past this is cut: a retriever's cost g
 NO_PASSAGES = "No passages found."
 _ANSWER = "When you know the answer, reply with only <answer>the answer</answer>."
 SYSTEM = {"tags": "Answer the question with the help of a search engine. To search, reply with only "
-                  "<search>query</search>, and the search engine answers with passages. Search again when they do "
+                  "<search>query</search>, the query being the name the question asks about, and the search "
+                  "engine answers with passages. Search again when they do "
                   "not hold the answer. " + _ANSWER,
           "json": "Answer the question with the help of the search tool: call it with a query, and it answers "
                   "with passages. Search again when they do not hold the answer. " + _ANSWER}
 
 # Worked examples (env.examples of them), about people and places of no corpus: (question, [(query, passages)],
-# answer). The second needs two searches, the second query taken from the first search's passages.
+# answer). The first needs two searches, the second query taken from the first search's passages; the last
+# one, nearest the question, searches the question's own name.
 EXAMPLES = (
-    ("In which year was Talo Venmar born?",
-     [("Talo Venmar", [("Talo Venmar", "Talo Venmar was born in Quenrith in 1712."),
-                       ("Talo Venmar", "Talo Venmar worked as a weaver."),
-                       ("Quenrith", "Quenrith is a city in Dovaria.")])], "1712"),
     ("In which city was the founder of the Brasimel Company born?",
      [("Brasimel Company", [("Brasimel Company", "The Brasimel Company was founded by Oda Kestrin in 1801. Its "
                              "headquarters are in Velloc."), ("Velloc", "Velloc is a city in Tarnau.")]),
       ("Oda Kestrin", [("Oda Kestrin", "Oda Kestrin was born in Mirrow in 1766."),
                        ("Oda Kestrin", "Oda Kestrin worked as a printer.")])], "Mirrow"),
+    ("In which country is the city of Velloc?",
+     [("Velloc", [("Velloc", "Velloc is a city in Tarnau."),
+                  ("Brasimel Company", "The Brasimel Company was founded by Oda Kestrin in 1801. Its headquarters "
+                   "are in Velloc.")])], "Tarnau"),
+    ("In which year was Talo Venmar born?",
+     [("Talo Venmar", [("Talo Venmar", "Talo Venmar was born in Quenrith in 1712."),
+                       ("Talo Venmar", "Talo Venmar worked as a weaver."),
+                       ("Quenrith", "Quenrith is a city in Dovaria.")])], "1712"),
 )
 
 
