@@ -7,8 +7,8 @@
 Questions about a generated encyclopedia of fictional people, cities and organizations (`data.task=entities`,
 rlax.data.entities): no pretrained model knows the answers, so only searching can find them. Half the questions
 need two searches ("In which country was X born?": X's birthplace, then its country); held-out questions ask
-facts that no training question asks. The corpus ("rlax.data.entities:corpus", ~360 passages) is indexed with
-BM25 once (~/.cache/rlax/bm25). The conversation: the search system prompt, `env.examples` worked examples
+facts that no training question asks. The corpus ("rlax.data.entities:corpus", 248 passages) is indexed
+once with BM25 over words and character trigrams (~/.cache/rlax/bm25). The conversation: the search system prompt, `env.examples` worked examples
 (`<search>query</search>`, a tool turn of passages, `<answer>...</answer>`: SmolLM2's template has no tool
 block), then the question. The reward: normalized exact match of the last turn's answer (qa_em); a passage
 never reaches the grader. Held-out pass@1 is reported per hop count (pass@1/1-hop, pass@1/2-hop).
@@ -20,6 +20,9 @@ from configs import smollm2
 def get_config(arg: str | None = None):
   c = smollm2.get_config()  # the same model, devices, algorithm and optimizer as the one-shot example
   c.workdir = "runs/search_tool"
+  # Layers scanned: the sampler's ~40 programs (extensions padded to 20 shapes) unrolled over 30 layers are
+  # ~25k XLA:CPU kernels, three memory maps each, past Linux's default vm.max_map_count (65530).
+  c.model.overrides = dict(c.model.overrides, scan_layers=True)
   # 32 slots: 64 of 768 tokens would need 5.1 GB per device (f32 cache and recompute), over a CPU device's 3 GB.
   c.rollout.update(max_prompt_len=448, max_new_tokens=320, slots=32)
   c.controller.steps = 12

@@ -4,6 +4,7 @@
   python -m launch.make_data --task=countdown --n=200 --out=/tmp/train.parquet   # needs pyarrow
   python -m launch.make_data --task=reasoning_gym:leg_counting=1,arithmetic=1 --n=200 --out=/tmp/mix.jsonl
   python -m launch.make_data --task=arithmetic --difficulty=2 --dedup --decontaminate=/tmp/eval.jsonl --out=/tmp/a.jsonl
+  python -m launch.make_data --task=entities --split=eval --n=64 --out=/tmp/qa_eval.jsonl   # held-out facts only
 """
 
 import sys
@@ -26,13 +27,15 @@ _SEED = flags.DEFINE_integer("seed", 0, "Generator seed.")
 _OUT = define_out("Output path: .jsonl, or .parquet (needs pyarrow).")
 _DEDUP = flags.DEFINE_bool("dedup", False, "Drop exact and near-duplicate prompts.")
 _DECON = flags.DEFINE_string("decontaminate", None, "Eval .jsonl whose prompts must not leak.")
+_SPLIT = flags.DEFINE_enum("split", "train", ["train", "eval"], "Which records: a task with a held-out split "
+                           "(entities) asks its eval records about facts its train records never ask.")
 
 
 def main(argv):
   del argv
   try:
     recs = synthetic.generate(_TASK.value, _N.value, difficulty=_DIFFICULTY.value, seed=_SEED.value,
-                              options=_OPTIONS.value)
+                              options=_OPTIONS.value, split=_SPLIT.value)
     if _DEDUP.value:
       recs, _ = curation.exact_dedup(recs)
       recs, _ = curation.near_dedup(recs)

@@ -213,8 +213,10 @@ def hidden_states(params: Params, cfg: ModelConfig, tokens: Int[Array, "B T"], *
         def mlp(w, h):
           replay = None if routes is None else jnp.take(routes[:, q_start:], l, axis=2)
           out, logits, chosen = moe.routed(cfg, w, h, experts=replay)
-          seen.append(moe.router_stats(logits.reshape(-1, logits.shape[-1]), chosen.reshape(-1, chosen.shape[-1]),
-                                       valid[:, q_start:].reshape(-1).astype(jnp.float32)))
+          if router_stats:
+            seen.append(moe.router_stats(logits.reshape(-1, logits.shape[-1]),
+                                         chosen.reshape(-1, chosen.shape[-1]),
+                                         valid[:, q_start:].reshape(-1).astype(jnp.float32)))
           return out
       x = block(cfg, lp, x, cos_sin, attend, q_start, mlp=mlp)
       return x, (jax.tree.map(jnp.add, stats, seen[0]) if router_stats else stats)

@@ -141,3 +141,20 @@ def test_service_batches_concurrent_episodes_and_bounds_their_wait():
   assert pending.result(timeout=1)[0].id == "queued"
   with pytest.raises(RuntimeError, match="closed"):
     service.submit("x", 1).result()
+
+
+def test_fuzzy_bm25_finds_a_misspelt_name_and_ranks_the_exact_one_first(tmp_path):
+  path = str(tmp_path / "c.jsonl")
+  rows = [{"id": "a", "title": "Mosnan Nevi", "text": "Mosnan Nevi was born in Kidol in 1886."},
+          {"id": "b", "title": "Giki Kolpes", "text": "Giki Kolpes worked as a botanist."},
+          {"id": "c", "title": "Kidol", "text": "Kidol is a city in Nisgi."},
+          {"id": "d", "title": "Mosna Nevin", "text": "Mosna Nevin worked as a miller."}]
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  words, fuzzy = R.make_retriever("bm25", path), R.make_retriever("bm25_fuzzy", path)
+  assert fuzzy.index_dir == words.index_dir + "-fuzzy" and fuzzy.built
+  assert words.search(["Moschen Nevvi"], 2) == [[]]  # no word in common
+  assert [p.id for p in fuzzy.search(["Moschen Nevvi"], 2)[0]][:1] in (["a"], ["d"])
+  assert [p.id for p in fuzzy.search(["Mosnan Nevi"], 2)[0]] == ["a", "d"]  # the exact name first
+  assert [p.id for p in fuzzy.search(["Kolpes"], 1)[0]] == ["b"]
+  assert not R.make_retriever("bm25_fuzzy", path).built  # its own index, loaded the second time

@@ -118,13 +118,17 @@ def test_templates_with_a_tool_block_search_in_json(family):
 
 
 def test_worked_examples_come_before_the_question():
-  ctx = _ctx(examples=2)
+  ctx = _ctx(examples=3)
   env = envs.get("search")(ctx)
   msgs = env.messages(REC)
   assert msgs[0]["role"] == "system" and msgs[-1] == {"role": "user", "content": REC.prompt}
-  assert [m["content"] for m in msgs if m["role"] == "assistant"] == [
-      "<search>Talo Venmar</search>", "<answer>1712</answer>", "<search>Brasimel Company</search>",
-      "<search>Oda Kestrin</search>", "<answer>Mirrow</answer>"]
+  said = [m["content"] for m in msgs if m["role"] == "assistant"]
+  assert said == ["<search>Brasimel Company</search>", "<search>Oda Kestrin</search>", "<answer>Mirrow</answer>",
+                  "<search>Velloc</search>", "<answer>Tarnau</answer>", "<search>Talo Venmar</search>",
+                  "<answer>1712</answer>"]
+  tool_turns = [m["content"] for m in msgs if m["role"] == env.render.tool_role]
+  assert len(tool_turns) == 4 and tool_turns[0].startswith("Doc 1 (Title: Brasimel Company) The Brasimel")
+  assert len(env.messages(REC)) - len(envs.get("search")(_ctx(examples=1)).messages(REC)) == 8  # two 1-search examples
 
 
 def test_the_deadline_and_a_failing_retriever_are_call_outcomes_not_crashes():
