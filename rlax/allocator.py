@@ -64,3 +64,21 @@ def release_free_memory() -> None:
       ctypes.CDLL("libc.so.6").malloc_trim(0)
   except (OSError, AttributeError):  # another libc (musl) or allocator: nothing to release through
     pass
+
+
+def check_memory_maps(after: str, share: float = 0.5) -> None:
+  """Warns once when this process holds more than `share` of the kernel's limit on memory maps: XLA:CPU maps
+  three pages per compiled kernel, and a process past vm.max_map_count aborts ("LLVM ERROR: Unable to allocate
+  section memory"). Called by the controller after the sampler's programs are compiled (`after` names when)."""
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      limit = int(f.read())
+    with open("/proc/self/maps") as f:
+      held = sum(1 for _ in f)
+  except (OSError, ValueError):  # not Linux
+    return
+  if held > share * limit:
+    logging.warning("after %s this process holds %d memory maps of vm.max_map_count=%d (XLA:CPU maps three "
+                    "pages per compiled kernel); a run that compiles more aborts past it: raise the limit "
+                    "(sysctl -w vm.max_map_count=%d) or compile fewer programs (model.overrides.scan_layers=True)",
+                    after, held, limit, 4 * limit)

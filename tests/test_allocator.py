@@ -26,3 +26,14 @@ def test_reexec_preloads_tcmalloc_when_installed():
 
 def test_opt_out_keeps_the_default_allocator():
   assert _probe(RLAX_TCMALLOC="0") == (False, False)
+
+
+def test_memory_maps_past_the_share_of_the_kernels_limit_are_warned(monkeypatch):
+  from rlax import allocator
+  said = []
+  monkeypatch.setattr(allocator.logging, "warning", lambda msg, *args: said.append(msg % args))
+  allocator.check_memory_maps("a test", share=1.0)
+  assert not said  # a test process holds far fewer maps than the limit
+  allocator.check_memory_maps("a test", share=0.0)
+  (line,) = said
+  assert line.startswith("after a test this process holds") and "sysctl -w vm.max_map_count=" in line
