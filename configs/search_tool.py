@@ -23,8 +23,10 @@ def get_config(arg: str | None = None):
   # Layers scanned: the sampler's ~40 programs (extensions padded to 20 shapes) unrolled over 30 layers are
   # ~25k XLA:CPU kernels, three memory maps each, past Linux's default vm.max_map_count (65530).
   c.model.overrides = dict(c.model.overrides, scan_layers=True)
-  # 32 slots: 64 of 768 tokens would need 5.1 GB per device (f32 cache and recompute), over a CPU device's 3 GB.
-  c.rollout.update(max_prompt_len=448, max_new_tokens=320, slots=32)
+  # The prompt (system, three worked examples, the question) is ~520 tokens; an episode's turns and two tool turns
+  # of passages ~250. 32 slots of 864 tokens: 3.09 GB per device (f32 cache and recompute transient, 0.54 GB of
+  # weights) within a CPU device's 3.16 GB; 64 slots would not fit.
+  c.rollout.update(max_prompt_len=576, max_new_tokens=288, slots=32)
   c.controller.steps = 12
   c.optimizer.micro_batch_tokens = 1536  # two packed episodes of ~700 tokens a micro-batch
   c.data.update(task="entities", n_train=4096, n_eval=64, system_prompt="")  # the environment prompts
