@@ -7,9 +7,10 @@ the transport that connects them. Failover rebuilds through the same function.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from absl import logging
 import jax
@@ -170,7 +171,18 @@ def episodes(run: RunConfig, tok: Tokenizer, render: PromptRenderer, reward, poo
     return envs.EpisodeStream(stream, lambda: factory(ctx), context_tokens=e.context_tokens,
                               turn_tokens=e.turn_tokens, sync=sync, keys=keys)
 
+  def check_prompts(records: Sequence[Record]) -> None:
+    """One ValueError naming the first record whose environment prompt is longer than rollout.max_prompt_len:
+    checked before anything compiles (the episode stream would find it mid-run)."""
+    async def first_prompts():
+      return [len((await factory(ctx).reset(r)).tokens) for r in records]
+    for r, n in zip(records, asyncio.run(first_prompts())):
+      if n > run.rollout.max_prompt_len:
+        raise ValueError(f"env {e.name!r}: the first prompt of record {r.id!r} has {n} tokens; "
+                         f"rollout.max_prompt_len is {run.rollout.max_prompt_len}")
+
   make.close = ctx.retrieval.close if ctx.retrieval is not None else (lambda: None)  # Sampling.close calls it
+  make.check_prompts = check_prompts  # SamplerRole calls it
   return make
 
 
