@@ -7,7 +7,7 @@ headquartered in a city). `corpus(world)` is its passages (id, title, text): two
 one per city and one per organization, so a fact sits in one passage and its neighbours are distractors that
 share names and words. `questions(world, split, n, seed)` asks 1-hop and 2-hop questions: every fact is
 either a training fact or a held-out one (by a hash of the entity and relation), and a question belongs to the
-split of the fact its answer is; held-out questions ask only what training questions never do. Each record's
+split of the facts it chains (both, for 2-hop); held-out questions ask only what training questions never do. Each record's
 source is its hop count ("1-hop", "2-hop": pass@k is reported per source) and its `metadata` holds the
 supporting passage ids and the relation chain.
 
@@ -29,7 +29,8 @@ from rlax.data.records import Record
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "h"]
 _VOWELS = ["a", "e", "i", "o", "u"]
 _CODAS = ["", "", "n", "r", "l", "s"]
-_JOBS = ["cartographer", "glassblower", "astronomer", "shipwright", "botanist", "archivist", "composer", "engineer"]
+_JOBS = ["cartographer", "glassblower", "astronomer", "shipwright", "botanist", "archivist", "composer", "engineer",
+         "weaver", "miller", "printer", "surveyor", "apothecary", "clockmaker", "mason", "beekeeper"]
 _KINDS = ["guild", "company", "academy", "society", "foundry", "observatory"]
 SPLITS = ("train", "heldout")
 
@@ -40,7 +41,7 @@ def _word(rng: random.Random, syllables: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class World:
-  """The entities of world number `world`; sizes grow with `scale` (1: 6 countries, 24 cities, 96 people, 32
+  """The entities of world number `world`; sizes grow with `scale` (1: 16 countries, 24 cities, 96 people, 32
   organizations)."""
   world: int = 0
   scale: int = 1
@@ -56,7 +57,7 @@ class World:
           used.add(n)
           return n
 
-    countries = [name(2) for _ in range(6 * self.scale)]
+    countries = [name(2) for _ in range(16 * self.scale)]  # enough that guessing the commonest one scores little
     cities = {name(2): rng.choice(countries) for _ in range(24 * self.scale)}
     people = {name(2, 2): (rng.choice(list(cities)), rng.randrange(1650, 1900), rng.choice(_JOBS))
               for _ in range(96 * self.scale)}
@@ -110,13 +111,13 @@ _TWO_HOP = {("birthplace", "country"): "In which country was {s} born?",
 
 def questions(world: World, split: str, n: int, seed: int, two_hop_share: float = 0.5) -> list[Record]:
   """`n` questions of `split` ("train" or "heldout"), about half of them 2-hop; the same (world, split, seed)
-  gives the same records. A question's split is its answer's fact's."""
+  gives the same records. A question's split is that of the facts it chains (a 2-hop question's two)."""
   if split not in SPLITS:
     raise ValueError(f"entities: split={split!r}; use one of {SPLITS}")
   by = {(s, r): (a, pid) for s, r, a, pid in world.facts()}
   one = [(s, r) for (s, r) in by if split_of(s, r) == split]
   two = [(s, r1, r2) for (s, r1), (mid, _) in by.items() for (first, r2) in _TWO_HOP
-         if first == r1 and (mid, r2) in by and split_of(mid, r2) == split]
+         if first == r1 and (mid, r2) in by and split_of(mid, r2) == split and split_of(s, r1) == split]
   if not one or not two:
     raise ValueError(f"entities: world {world.world} has no {split} questions")
   rng = random.Random(f"entities/questions/{world.world}/{split}/{seed}")

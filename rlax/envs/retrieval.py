@@ -28,12 +28,15 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import logging as py_logging
 import os
 import queue
 import threading
 import time
 import urllib.request
 from typing import Any, Callable, Optional, Protocol, Sequence
+
+from absl import logging
 
 from rlax import imports
 
@@ -142,6 +145,7 @@ def _bm25s():
     import bm25s
   except ImportError:
     raise ValueError("retriever 'bm25' needs the bm25s package: pip install 'rlax[search]'") from None
+  py_logging.getLogger("bm25s").setLevel(py_logging.WARNING)  # it logs every empty (all-stopword) query
   return bm25s
 
 
@@ -243,39 +247,60 @@ def service(cfg) -> Optional["RetrievalService"]:
   unset; called once per run by rlax.builders.episodes."""
   if not cfg.retriever:
     return None
-  return RetrievalService(make_retriever(cfg.retriever, cfg.corpus), window_s=cfg.retrieval_window_ms / 1000)
+  return RetrievalService(make_retriever(cfg.retriever, cfg.corpus, timeout_s=cfg.tool_timeout_s),
+                          window_s=cfg.retrieval_window_ms / 1000, stall_s=cfg.tool_timeout_s)
 
 
-def make_retriever(spec: str, corpus: str = "", columns: CorpusColumns = CorpusColumns()) -> Retriever:
+def make_retriever(spec: str, corpus: str = "", columns: CorpusColumns = CorpusColumns(), timeout_s: float = 30.0
+                   ) -> Retriever:
   """The retriever `spec` names (see the module docstring); one ValueError naming what is wrong."""
   if spec in ("bm25", "bm25_fuzzy"):
     if not corpus:
       raise ValueError(f"retriever {spec!r} needs a corpus (env.corpus)")
     return BM25Retriever(corpus, columns, fuzzy=spec == "bm25_fuzzy")
   if spec.startswith(("http://", "https://")):
-    return HttpRetriever(spec)
+    return HttpRetriever(spec, timeout_s=timeout_s)
   if ":" in spec:
     return FunctionRetriever(imports.by_path(spec, f"retriever {spec!r}", "a function"))
-  raise ValueError(f"retriever {spec!r}: use 'bm25', an http(s):// URL or 'module:function'")
+  raise ValueError(f"retriever {spec!r}: use 'bm25', 'bm25_fuzzy', an http(s):// URL or 'module:function'")
 
 
 class RetrievalService:
   """One retriever for the run, shared by every episode: queries that arrive within `window_s` of the first
-  (at most `max_batch`) go to the retriever in one call on this service's thread."""
+  (at most `max_batch`) go to the retriever in one call on this service's thread; a call that fails is retried
+  query by query, so one bad query fails only its own search. A call running past `stall_s` (a hung server or
+  function: user code, trusted but bounded) is abandoned: a fresh thread serves the queue from the next
+  search on, and the stuck one exits when its call returns. `version` names the index's content where known (a
+  BM25 index's key), for the tool journal's fingerprint."""
 
-  def __init__(self, retriever: Retriever, window_s: float = 0.005, max_batch: int = 256):
-    self.retriever, self.window_s, self.max_batch = retriever, window_s, max_batch
-    self.batches, self.queries = 0, 0
+  def __init__(self, retriever: Retriever, window_s: float = 0.005, max_batch: int = 256, stall_s: float = 30.0):
+    self.retriever, self.window_s, self.max_batch, self.stall_s = retriever, window_s, max_batch, stall_s
+    self.version = os.path.basename(getattr(retriever, "index_dir", "") or "")
+    self.batches, self.queries, self.stalled = 0, 0, 0
     self._q: queue.Queue = queue.Queue()
-    self._thread = threading.Thread(target=self._run, name="retrieval", daemon=True)
-    self._thread.start()
+    self._lock = threading.Lock()
+    self._busy_since: Optional[float] = None  # when the serving thread's retriever call began
+    self._closed = False
+    self._thread = self._start()
+
+  def _start(self) -> threading.Thread:
+    t = threading.Thread(target=self._run, name="retrieval", daemon=True)
+    t.start()
+    return t
 
   def submit(self, query: str, k: int) -> concurrent.futures.Future:
     """A future of `query`'s top-k passages."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
-    if not self._thread.is_alive():
-      fut.set_exception(RuntimeError("the retrieval service is closed"))
-    else:
+    with self._lock:
+      if self._closed:
+        fut.set_exception(RuntimeError("the retrieval service is closed"))
+        return fut
+      busy = self._busy_since
+      if busy is not None and time.monotonic() - busy > self.stall_s:
+        self.stalled += 1
+        logging.warning("retrieval: a retriever call has run %.0fs (over %gs); it is abandoned and a fresh thread "
+                        "serves the searches", time.monotonic() - busy, self.stall_s)
+        self._busy_since, self._thread = None, self._start()
       self._q.put((str(query), int(k), fut))
     return fut
 
@@ -284,6 +309,7 @@ class RetrievalService:
     return await asyncio.wrap_future(self.submit(query, k))
 
   def _run(self) -> None:
+    me = threading.current_thread()
     while True:
       first = self._q.get()
       if first is None:
@@ -298,24 +324,44 @@ class RetrievalService:
           self._q.put(None)  # finish this batch, then stop
           break
         batch.append(item)
-      self._answer([b for b in batch if b[2].set_running_or_notify_cancel()])
+      self._answer([b for b in batch if b[2].set_running_or_notify_cancel()], me)
+      if self._thread is not me:  # abandoned while its call hung: the fresh thread serves the queue
+        return
 
-  def _answer(self, batch: list) -> None:
+  def _call(self, queries: list, k: int, me: threading.Thread) -> list:
+    with self._lock:
+      if self._thread is me:
+        self._busy_since = time.monotonic()
+    try:
+      return self.retriever.search(queries, k)
+    finally:
+      with self._lock:
+        if self._thread is me:
+          self._busy_since = None
+
+  def _answer(self, batch: list, me: threading.Thread) -> None:
     """One retriever call per distinct k (callers that asked for fewer get their top-k)."""
     for k in sorted({b[1] for b in batch}):
       part = [b for b in batch if b[1] == k]
       try:
-        hits = self.retriever.search([b[0] for b in part], k)
+        hits = self._call([b[0] for b in part], k, me)
+        if len(hits) != len(part):
+          raise ValueError(f"the retriever returned {len(hits)} lists for {len(part)} queries")
       except Exception as e:  # the retriever is user code: its failure fails these calls, not the run
-        for b in part:
-          b[2].set_exception(e)
+        if len(part) == 1:
+          part[0][2].set_exception(e)
+          continue
+        for b in part:  # one query's failure (a bad query) must not fail the batch's others
+          self._answer([b], me)
         continue
       self.batches, self.queries = self.batches + 1, self.queries + len(part)
       for b, h in zip(part, hits):
         b[2].set_result(list(h))
 
   def close(self) -> None:
-    """Answers what was submitted, then stops the thread."""
-    if self._thread.is_alive():
+    """Answers what was submitted (waiting at most `stall_s` for a running call), then stops the thread."""
+    with self._lock:
+      self._closed = True
       self._q.put(None)
-      self._thread.join()
+      thread = self._thread
+    thread.join(timeout=self.stall_s)

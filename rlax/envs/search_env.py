@@ -8,13 +8,15 @@ environment content: rendered as plain text, never control tokens (rlax.envs.ren
 run's one retrieval service (`EnvContext.retrieval`), batched with every other episode's, under
 `env.tool_timeout_s`; at most `env.max_tool_calls` per episode.
 
-Each episode reports (Environment.metrics, logged as env/<name>): `searches`, `search_rate` (it searched at
-all), `search_empty` (its searches' share that found nothing), `recall` (a gold answer appears in what its
-searches returned), and the final answer's `em` and `f1`.
+Each episode reports (Environment.metrics, logged as env/<name>): `searches` (calls made), `search_rate` (it
+searched at all), `search_failed` (its searches' share that timed out or failed), `search_empty` (its answered
+searches' share that found nothing), `recall` (a gold answer appears in the titles and texts its searches
+returned), and the final answer's `em` and `f1`.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from rlax.envs import renderers
@@ -26,6 +28,7 @@ from rlax.rewards import qa
 
 MAX_QUERY_CHARS = 500  # a policy's query past this is cut: a retriever's cost grows with it
 NO_PASSAGES = "No passages found."
+_LABEL = re.compile(r"^Doc \d+ \(Title: ", re.M)
 _ANSWER = "When you know the answer, reply with only <answer>the answer</answer>."
 SYSTEM = {"tags": "Answer the question with the help of a search engine. To search, reply with only "
                   "<search>query</search>, the query being the name the question asks about, and the search "
@@ -75,15 +78,15 @@ class SearchEnv(ToolEnv):
       raise ValueError("env.name='search' needs a retriever: set env.retriever ('bm25' with env.corpus, an "
                        "http(s):// server or 'module:fn')")
     cfg, self.format = ctx.config, call_format(ctx)
-    tool = tools_lib.Tool.from_function(self.search, version=f"{cfg.retriever}|{cfg.corpus}|{cfg.top_k}|"
-                                        f"{cfg.passage_chars}")
+    tool = tools_lib.Tool.from_function(self.search, version=f"{cfg.retriever}|{cfg.corpus}|{ctx.retrieval.version}|"
+                                        f"{cfg.top_k}|{cfg.passage_chars}")
     calls = renderers.TagCalls({"search": "search"}, argument="query") if self.format == "tags" else None
     super().__init__(ctx, [tool], calls=calls, system=SYSTEM[self.format])
-    self.searches, self.empty, self.found, self.final = 0, 0, [], ""
+    self.searches, self.failed, self.empty, self.found, self.final = 0, 0, 0, [], ""
 
   async def search(self, query: str) -> str:
     """Searches the corpus; returns the best passages, each with its title."""
-    q = " ".join(query.split())[:MAX_QUERY_CHARS]
+    q = " ".join(query.encode("utf-8", "replace").decode("utf-8").split())[:MAX_QUERY_CHARS]  # no lone surrogates
     hits = await self.ctx.retrieval.search(q, self.cfg.top_k) if q else []
     return render_passages(hits, self.cfg.passage_chars)
 
@@ -105,10 +108,14 @@ class SearchEnv(ToolEnv):
   async def run_calls(self, calls, key) -> list[tools_lib.ToolResult]:
     results = await super().run_calls(calls, key)
     for c, r in zip(calls, results):
-      if c.name == "search" and r.outcome in ("ok", "truncated"):
-        self.searches += 1
-        self.empty += r.output == NO_PASSAGES
-        self.found.append(r.output)
+      if c.name != "search":
+        continue
+      self.searches += 1
+      if r.outcome not in ("ok", "truncated"):
+        self.failed += 1
+        continue
+      self.empty += r.output == NO_PASSAGES
+      self.found.append(_LABEL.sub(" ", r.output))  # titles and texts: recall never matches "Doc 2"
     return results
 
   async def step(self, turn: Turn) -> StepResult:
@@ -119,8 +126,11 @@ class SearchEnv(ToolEnv):
 
   def metrics(self) -> dict[str, float]:
     out = {"searches": float(self.searches), "search_rate": float(self.searches > 0)}
+    answered = self.searches - self.failed
     if self.searches:
-      out["search_empty"] = self.empty / self.searches
+      out["search_failed"] = self.failed / self.searches
+    if answered:
+      out["search_empty"] = self.empty / answered
     if self.record is not None and self.record.answer is not None:
       seen = f" {qa.normalize(' '.join(self.found))} "
       out["recall"] = float(any(f" {qa.normalize(g)} " in seen for g in qa.golds(self.record)))

@@ -56,6 +56,8 @@ def _grade(completion: str, record, metric: str) -> tuple[float, dict]:
   if answer is None:
     return 0.0, {"reason": "no answer", "em": 0.0, "f1": 0.0}
   pred = normalize(answer)
+  if not pred:  # "<answer>a</answer>" normalizes to nothing: no answer (it would equal a gold that does too)
+    return 0.0, {"reason": "empty answer", "em": 0.0, "f1": 0.0}
   em = max(float(pred == normalize(g)) for g in golds(record))
   f1 = max(token_f1(pred, normalize(g)) for g in golds(record))
   return (em if metric == "em" else f1), {"reason": "match" if em else "mismatch", "em": em, "f1": f1,

@@ -58,3 +58,12 @@ def test_the_corpus_is_the_worlds_passages_and_bm25_finds_each_questions_support
   hits = bm25.search(subjects, 3)
   found = sum(r.metadata["support_ids"][0] in {p.id for p in h} for r, h in zip(qs, hits))
   assert found >= 0.9 * len(qs), found  # a query of the entity's name finds its passage
+
+
+def test_a_two_hop_questions_both_facts_are_of_its_split():
+  w = E.World(0)
+  for split in E.SPLITS:
+    for r in E.questions(w, split, 200, seed=4, two_hop_share=1.0):
+      s = r.prompt  # the subject's first fact is (subject, relation 1): its split is the question's
+      subject = next(name for name in [*w.people, *w.orgs] if name in s)
+      assert E.split_of(subject, r.metadata["relations"][0]) == split

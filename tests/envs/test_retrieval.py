@@ -53,7 +53,7 @@ def test_corpus_rows_are_mapped_or_named_when_wrong(tmp_path):
     R.read_passages(str(bad))
   with pytest.raises(ValueError, match="does not exist"):
     R.make_retriever("bm25", str(tmp_path / "missing.jsonl"))
-  with pytest.raises(ValueError, match="use 'bm25', an http"):
+  with pytest.raises(ValueError, match="use 'bm25', 'bm25_fuzzy', an http"):
     R.make_retriever("faiss")
 
 
@@ -158,3 +158,32 @@ def test_fuzzy_bm25_finds_a_misspelt_name_and_ranks_the_exact_one_first(tmp_path
   assert [p.id for p in fuzzy.search(["Mosnan Nevi"], 2)[0]] == ["a", "d"]  # the exact name first
   assert [p.id for p in fuzzy.search(["Kolpes"], 1)[0]] == ["b"]
   assert not R.make_retriever("bm25_fuzzy", path).built  # its own index, loaded the second time
+
+
+def test_one_bad_query_fails_only_its_own_search_and_a_hung_call_is_abandoned():
+  slow = _Slow(0.0)
+  service = R.RetrievalService(slow, window_s=0.05, stall_s=0.3)
+
+  async def together(names):
+    return await asyncio.gather(*(service.search(n, 1) for n in names), return_exceptions=True)
+
+  good, bad = asyncio.run(together(["fine", "boom"]))
+  assert good[0].id == "fine" and isinstance(bad, RuntimeError)  # the batch failed, then each query alone
+  release = threading.Event()
+
+  class Hung:
+    def search(self, queries, k):
+      if "hang" in queries:
+        release.wait(10)
+      return [[R.Passage(q, "", q)] for q in queries]
+
+  service = R.RetrievalService(Hung(), window_s=0.0, stall_s=0.3)
+  stuck = service.submit("hang", 1)
+  time.sleep(0.5)  # past stall_s: the next search starts a fresh thread
+  assert asyncio.run(asyncio.wait_for(service.search("next", 1), timeout=2))[0].id == "next"
+  assert service.stalled == 1 and not stuck.done()
+  t0 = time.monotonic()
+  service.close()  # waits at most stall_s for the fresh thread; the stuck one is a daemon
+  assert time.monotonic() - t0 < 2
+  release.set()
+  assert stuck.result(timeout=5)[0].id == "hang"  # it finishes and exits

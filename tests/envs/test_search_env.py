@@ -73,8 +73,8 @@ def test_two_searches_then_the_answer_earn_the_reward_and_report_recall():
   assert "Doc 1 (Title: Ada Quill) Ada Quill was born in Norvale in 1790." in first and "Doc 2" not in first
   assert [list(r.calls) for r in res[:2]] == [["ok"], ["ok"]] and not res[0].done
   assert res[2].done and res[2].reward == 1.0 and res[2].stop_reason == "final_answer"
-  assert env.metrics() == {"searches": 2.0, "search_rate": 1.0, "search_empty": 0.0, "recall": 1.0, "em": 1.0,
-                           "f1": 1.0}
+  assert env.metrics() == {"searches": 2.0, "search_rate": 1.0, "search_failed": 0.0, "search_empty": 0.0,
+                           "recall": 1.0, "em": 1.0, "f1": 1.0}
   stats = envs.batch_stats([dict(turns=3, calls=["ok", "ok"], stop="final_answer", appended=10, tokens=40,
                                  metrics=env.metrics()),
                             dict(turns=1, calls=[], stop="final_answer", appended=0, tokens=5,
@@ -133,8 +133,10 @@ def test_worked_examples_come_before_the_question():
 
 def test_the_deadline_and_a_failing_retriever_are_call_outcomes_not_crashes():
   slow = _ctx(retriever=WordRetriever(delay_s=1.0), tool_timeout_s=0.2)
-  _, _, res = _episode(slow, ["<search>Ada</search>"])
+  env, _, res = _episode(slow, ["<search>Ada</search>"])
   assert list(res[0].calls) == ["timeout"] and "did not finish" in slow.tokenizer.decode(res[0].tokens)
+  m = env.metrics()
+  assert m["searches"] == 1.0 and m["search_failed"] == 1.0 and "search_empty" not in m
 
   class Broken:
     def search(self, queries, k):
@@ -156,6 +158,21 @@ def test_concurrent_episodes_share_one_retriever_call():
     return await asyncio.gather(*(one(q) for q in ("Ada", "Norvale", "Bo", "Tern")))
   res = asyncio.run(many())
   assert all(list(r.calls) == ["ok"] for r in res) and len(retriever.batches) == 1 and len(retriever.batches[0]) == 4
+
+
+def test_recall_reads_titles_and_texts_never_the_labels():
+  rec = Record(id="n", prompt="How many?", answer="2", source="1-hop")
+  env, _, _ = _episode(_ctx(), ["<search>Ada Norvale</search>", "<answer>3</answer>"], record=rec)
+  assert env.metrics()["recall"] == 0.0  # "Doc 2" is a label, not a passage saying 2
+
+
+def test_a_lone_surrogate_in_a_json_query_is_replaced_not_raised():
+  ctx = _ctx("hermes")
+  env = envs.get("search")(ctx)
+  asyncio.run(env.reset(REC))
+  res = asyncio.run(env.step(_turn(ctx.tokenizer, '<tool_call>{"name": "search", "arguments": {"query": "Ada \\ud800"}}'
+                                                  '</tool_call>')))
+  assert list(res.calls) == ["ok"] and "Ada Quill was born" in ctx.tokenizer.decode(res.tokens)
 
 
 def test_hostile_queries_and_passages_stay_text():

@@ -35,3 +35,11 @@ def test_em_and_f1_rewards_with_aliases():
   assert em("", _rec("Quellan")) == (0.0, {"reason": "no answer", "em": 0.0, "f1": 0.0})
   with pytest.raises(ValueError, match="QA reward: the record has no answer"):
     em("<answer>x</answer>", Record(id="c", prompt="q", tests=("assert True",), task="code"))
+
+
+def test_an_answer_that_normalizes_to_nothing_scores_zero_even_against_such_a_gold():
+  from rlax.data.records import Record
+  from rlax.rewards import qa
+  rec = Record(id="x", prompt="q", answer="The The")
+  for text in ("<answer></answer>", "<answer>a</answer>", ".", "<answer>the</answer>"):
+    assert qa.qa_em_reward(text, rec)[0] == 0.0 and qa.qa_f1_reward(text, rec)[0] == 0.0
