@@ -66,19 +66,31 @@ def release_free_memory() -> None:
     pass
 
 
-def check_memory_maps(after: str, share: float = 0.5) -> None:
-  """Warns once when this process holds more than `share` of the kernel's limit on memory maps: XLA:CPU maps
-  three pages per compiled kernel, and a process past vm.max_map_count aborts ("LLVM ERROR: Unable to allocate
-  section memory"). Called by the controller after the sampler's programs are compiled (`after` names when)."""
+def memory_maps() -> tuple[int, int]:
+  """(maps this process holds, vm.max_map_count); (0, 0) off Linux. XLA:CPU maps three pages per compiled kernel,
+  and a process past the limit aborts ("LLVM ERROR: Unable to allocate section memory"). Read by
+  `check_memory_maps` and by the test suite (tests/conftest.py), which drops compiled programs before the limit."""
   try:
     with open("/proc/sys/vm/max_map_count") as f:
       limit = int(f.read())
     with open("/proc/self/maps") as f:
-      held = sum(1 for _ in f)
-  except (OSError, ValueError):  # not Linux
-    return
-  if held > share * limit:
+      return sum(1 for _ in f), limit
+  except (OSError, ValueError):
+    return 0, 0
+
+
+# What a multi-turn run on CPU can hold: configs/search_tool.py's SmolLM2 run held 71k maps after its warm-up
+# (the sampler's extensions are 20 programs), past the kernel's default of 65530.
+MULTI_TURN_MAPS = 262144
+
+
+def check_memory_maps(after: str, share: float = 0.5, need: int = 0) -> None:
+  """Warns when this process holds more than `share` of vm.max_map_count (`memory_maps`), or when the limit is
+  under `need` (before a warm-up that compiles many programs). Called by the sampler's warm-up (`after` names
+  the moment)."""
+  held, limit = memory_maps()
+  if limit and (held > share * limit or limit < need):
     logging.warning("after %s this process holds %d memory maps of vm.max_map_count=%d (XLA:CPU maps three "
                     "pages per compiled kernel); a run that compiles more aborts past it: raise the limit "
                     "(sysctl -w vm.max_map_count=%d) or compile fewer programs (model.overrides.scan_layers=True)",
-                    after, held, limit, 4 * limit)
+                    after, held, limit, max(need, 4 * limit))

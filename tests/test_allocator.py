@@ -37,3 +37,14 @@ def test_memory_maps_past_the_share_of_the_kernels_limit_are_warned(monkeypatch)
   allocator.check_memory_maps("a test", share=0.0)
   (line,) = said
   assert line.startswith("after a test this process holds") and "sysctl -w vm.max_map_count=" in line
+
+
+def test_a_limit_under_what_a_run_needs_is_warned_before_it_compiles(monkeypatch):
+  from rlax import allocator
+  said = []
+  monkeypatch.setattr(allocator.logging, "warning", lambda msg, *args: said.append(msg % args))
+  held, limit = allocator.memory_maps()
+  allocator.check_memory_maps("building the sampler", need=limit)
+  assert not said
+  allocator.check_memory_maps("building the sampler", need=limit + 1)
+  assert len(said) == 1 and f"sysctl -w vm.max_map_count={4 * limit})" in said[0]

@@ -99,7 +99,6 @@ class Controller:
   def _warm_sampler(self) -> None:
     if self.sampler is not None:
       self.sampling.warm_up(self.parts)
-      allocator.check_memory_maps("the sampler's warm-up")
 
   def _push(self, params, version: int) -> dict:
     if self.sampler is not None:

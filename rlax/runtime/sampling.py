@@ -41,8 +41,12 @@ class SamplerRole:
 
   def warm_up(self, parts) -> None:
     """Compiles the sampler's programs (every slot bucket and admission) before the first batch."""
-    parts.sampler.warm_up(parts.weights.latest()[0], builders.sampler_uses(self.run), extend=bool(self.run.env.name))
+    extend = bool(self.run.env.name)
+    if extend:  # a multi-turn run compiles its extensions too: many programs
+      allocator.check_memory_maps("building the sampler", need=allocator.MULTI_TURN_MAPS)
+    parts.sampler.warm_up(parts.weights.latest()[0], builders.sampler_uses(self.run), extend=extend)
     allocator.release_free_memory()  # what compiling left free
+    allocator.check_memory_maps("the sampler's warm-up")
 
   def evaluate(self, parts, tag: str) -> dict:
     """Held-out pass@k with the newest published weights; sent to the trainer process when there is one."""
