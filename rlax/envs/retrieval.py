@@ -31,6 +31,7 @@ import json
 import logging as py_logging
 import os
 import queue
+import shutil
 import threading
 import time
 import urllib.request
@@ -185,7 +186,12 @@ class BM25Retriever:
       tmp = f"{self.index_dir}.tmp-{os.getpid()}"
       os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
       self.index.save(tmp)
-      os.replace(tmp, self.index_dir)  # whole or absent: a killed build leaves no half index to load
+      try:
+        os.replace(tmp, self.index_dir)  # whole or absent: a killed build leaves no half index to load
+      except OSError:  # another process built the same index first (same content key): keep theirs
+        if not os.path.isfile(os.path.join(self.index_dir, "params.index.json")):
+          raise
+        shutil.rmtree(tmp, ignore_errors=True)
     else:
       self.index = bm25s.BM25.load(self.index_dir)
 

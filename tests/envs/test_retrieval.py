@@ -187,3 +187,19 @@ def test_one_bad_query_fails_only_its_own_search_and_a_hung_call_is_abandoned():
   assert time.monotonic() - t0 < 2
   release.set()
   assert stuck.result(timeout=5)[0].id == "hang"  # it finishes and exits
+
+
+def test_two_builders_of_one_index_both_succeed(tmp_path, monkeypatch):
+  path = str(tmp_path / "c.jsonl")
+  with open(path, "w") as f:
+    f.write(json.dumps({"id": "a", "title": "A", "text": "alpha beta"}) + "\n")
+  first = R.make_retriever("bm25", path)
+  real, asked = R.os.path.isfile, []
+
+  def isfile(p):  # the second builder looked before the first had saved: it builds too, then finds theirs
+    asked.append(p)
+    return False if len(asked) == 1 else real(p)
+  monkeypatch.setattr(R.os.path, "isfile", isfile)
+  second = R.BM25Retriever(path)
+  assert second.built and second.index_dir == first.index_dir and second.search(["alpha"], 1)[0][0].id == "a"
+  assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
