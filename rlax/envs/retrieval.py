@@ -150,18 +150,15 @@ def _bm25s():
   return bm25s
 
 
-def _words(text: str, trigrams: bool) -> list[str]:
+def _fuzzy_tokens(text: str) -> list[str]:
   """Lower-cased alphanumeric words less English stopwords, each followed by its character trigrams (of
-  "#word#") with `trigrams`."""
+  "#word#"): `bm25_fuzzy`'s tokens."""
   from bm25s.stopwords import STOPWORDS_EN  # pylint: disable=g-import-not-at-top
   out = []
   for w in "".join(c.lower() if c.isalnum() else " " for c in text).split():
-    if w in STOPWORDS_EN:
-      continue
-    out.append(w)
-    if trigrams:
+    if w not in STOPWORDS_EN:
       p = f"#{w}#"
-      out += [p[i:i + 3] for i in range(len(p) - 2)]
+      out += [w] + [p[i:i + 3] for i in range(len(p) - 2)]
   return out
 
 
@@ -197,7 +194,7 @@ class BM25Retriever:
 
   def _tokens(self, texts: Sequence[str]):
     if self.fuzzy:
-      return [_words(t, True) for t in texts]
+      return [_fuzzy_tokens(t) for t in texts]
     return _bm25s().tokenize(list(texts), stopwords="en", show_progress=False)
 
   def search(self, queries: Sequence[str], k: int) -> list[list[Passage]]:

@@ -22,7 +22,7 @@ from typing import Sequence
 from rlax.envs import renderers
 from rlax.envs import retrieval as retrieval_lib
 from rlax.envs import tools as tools_lib
-from rlax.envs.base import EnvContext, StepResult, Turn
+from rlax.envs.base import EnvContext
 from rlax.envs.tool_env import ToolEnv
 from rlax.rewards import qa
 
@@ -118,11 +118,9 @@ class SearchEnv(ToolEnv):
       self.found.append(_LABEL.sub(" ", r.output))  # titles and texts: recall never matches "Doc 2"
     return results
 
-  async def step(self, turn: Turn) -> StepResult:
-    res = await super().step(turn)
-    if res.done and res.stop_reason == "final_answer":
-      self.final = self.ctx.tokenizer.decode(turn.tokens)
-    return res
+  async def final_reward(self, text: str) -> tuple[float, dict]:
+    self.final = text  # the answer the metrics grade too
+    return await super().final_reward(text)
 
   def metrics(self) -> dict[str, float]:
     out = {"searches": float(self.searches), "search_rate": float(self.searches > 0)}
