@@ -23,6 +23,7 @@ CONFIGS = [("base", None), ("demo", None), ("demo", "smoke"), ("demo", "tiny"),
            ("paper_qwq32b", None), ("paper_qwq32b", "32k"), ("paper_qwq32b", "tiny"), ("v5p_128", None),
            ("v5p_128", "tiny"), ("v5p_512", None), ("v5p_512", "tiny"), ("smollm2", None), ("smollm2", "smoke"), ("smollm2", "lora"),
            ("calculator_tool", None), ("calculator_tool", "control"), ("calculator_tool", "smoke"),
+           ("search_tool", None), ("search_tool", "control"), ("search_tool", "smoke"),
            ("reasoning_gym", None), ("reasoning_gym", "smoke"), ("demo", "tiny_moe"), ("smollm2_moe", None),
            ("smollm2_moe", "smoke"), ("smollm2_moe", "no_replay"), ("qwen3_moe_30b", None), ("qwen3_moe_30b", "tiny"),
            ("qwen3_moe_235b", None), ("qwen3_moe_235b", "tiny")]

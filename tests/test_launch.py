@@ -61,8 +61,8 @@ def test_no_flag_is_defined_in_two_launch_modules():
   assert where["cpu_devices"] == ["flags_util.py"] and where["config"] == ["flags_util.py"]
 
 
-_HELP = ["evaluate", "export", "fault_inject", "fetch_model", "main", "make_data", "multihost", "plan", "tpu",
-         "upcycle", "xm_launch"]
+_HELP = ["evaluate", "export", "fault_inject", "fetch_model", "main", "make_data", "multihost", "plan",
+         "search_index", "tpu", "upcycle", "xm_launch"]
 
 
 def test_every_entry_point_has_a_check_here():
