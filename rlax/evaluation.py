@@ -211,16 +211,17 @@ def evaluate_model(cfg: Any, *, model: Optional[str] = None, checkpoint: Optiona
   sampler = builders.sampler(run, mesh, tok)
   sampler.update_weights(params, 0)
   pool = builders.verifier_pool(run)
-  episodes = None
   try:
     reward_fn = builders.reward_fn(run)
     episodes = builders.episodes(run, tok, render, reward_fn, pool)
-    getattr(episodes, "check_prompts", lambda _: None)(records)
-    res = held_out(records, sampler=sampler, render=render, reward_fn=reward_fn, pool=pool,
-                   method=builders.eval_method(run), n=run.eval.n_samples, seed=run.seed + 1,
-                   episodes=episodes, greedy=greedy)
+    try:
+      episodes.check_prompts(records)
+      res = held_out(records, sampler=sampler, render=render, reward_fn=reward_fn, pool=pool,
+                     method=builders.eval_method(run), n=run.eval.n_samples, seed=run.seed + 1,
+                     episodes=episodes, greedy=greedy)
+    finally:
+      episodes.close()  # a search run's retrieval service
   finally:
-    getattr(episodes, "close", lambda: None)()  # a search run's retrieval service
     pool.close()
   return {"model": source, "data": data or run.data.task, "n_samples": run.eval.n_samples,
           "prompts_dropped": dropped, **res}

@@ -15,7 +15,7 @@ exactly as a plain stream does, at its speed.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -102,10 +102,13 @@ class OneTurnEpisodes:
 def single_turn_episodes(render, reward_fn, grade: Callable) -> Callable[..., OneTurnEpisodes]:
   """The episodes factory of a single-turn run, `make(stream, sync, keys)` as `rlax.builders.episodes` builds
   for a configured environment: each sample a one-turn episode of `render`'s prompt, rewarded by `reward_fn`
-  through `grade` (a `VerifierPool.grade`)."""
+  through `grade` (a `VerifierPool.grade`); its `close` and `check_prompts` have nothing to do (the rendered
+  prompt is the one `train_and_eval_records` measured; no service to stop)."""
 
   def make(stream, sync: bool = False, keys: bool = False) -> OneTurnEpisodes:
     del sync, keys  # graded as it stops, in order; no tool call to journal
     return OneTurnEpisodes(stream, render, reward_fn, grade)
 
+  make.close = lambda: None
+  make.check_prompts = lambda records: None
   return make

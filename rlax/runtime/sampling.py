@@ -36,7 +36,7 @@ class SamplerRole:
     self.run, self.render, self.reward_fn, self.roles, self.ensure_alive = run, render, reward_fn, roles, ensure_alive
     self.pool = builders.verifier_pool(run)
     self.episodes = builders.episodes(run, tokenizer, render, reward_fn, self.pool)
-    getattr(self.episodes, "check_prompts", lambda _: None)([*self.eval_records, *train_records[:64]])
+    self.episodes.check_prompts([*self.eval_records, *train_records[:64]])
     self.data = builders.record_iterator(run, train_records)
 
   def warm_up(self, parts) -> None:
@@ -91,5 +91,5 @@ class SamplerRole:
       self.evaluate(parts, "after")
 
   def close(self) -> None:
-    getattr(self.episodes, "close", lambda: None)()  # a multi-turn run's retrieval service
+    self.episodes.close()  # a multi-turn run's retrieval service
     self.pool.close()
