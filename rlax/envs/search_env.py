@@ -50,10 +50,10 @@ EXAMPLES = (
      [("Velloc", [("Velloc", "Velloc is a city in Tarnau."),
                   ("Brasimel Company", "The Brasimel Company was founded by Oda Kestrin in 1801. Its headquarters "
                    "are in Velloc.")])], "Tarnau"),
-    ("In which year was Talo Venmar born?",
+    ("What did Talo Venmar work as?",
      [("Talo Venmar", [("Talo Venmar", "Talo Venmar was born in Quenrith in 1712."),
                        ("Talo Venmar", "Talo Venmar worked as a weaver."),
-                       ("Quenrith", "Quenrith is a city in Dovaria.")])], "1712"),
+                       ("Quenrith", "Quenrith is a city in Dovaria.")])], "weaver"),
 )
 
 
