@@ -1,6 +1,6 @@
 """BM25 retrieval for search tools: index build time, query latency per batch and peak memory.
 
-  python bench/retrieval.py [--passages=100000] [--batch=64] [--batches=20] [--repeats=3]
+  python bench/retrieval.py [--passages=100000] [--batch=64] [--batches=20] [--repeats=3] [--fuzzy]
 
 A synthetic corpus of --passages passages (about 60 words each from a 50k-word vocabulary with a Zipf law, so
 words repeat as in text) is written to a temporary JSONL file; rlax's BM25Retriever (bm25s) builds its index
@@ -8,7 +8,8 @@ words repeat as in text) is written to a temporary JSONL file; rlax's BM25Retrie
 corpus's own passages) give the per-batch latency p50/p99. `rank_bm25` (pure Python, the other common BM25
 package), when installed, is timed on the same corpus as the peer, on --peer_batches batches (it scores
 every passage per query). Build and load are medians of --repeats. Peak memory: the process's max RSS after
-each phase. The last line is JSON.
+each phase. --fuzzy times `bm25_fuzzy` (words and their character trigrams) instead of word BM25. The last line
+is JSON.
 """
 
 import json
@@ -31,6 +32,7 @@ _BATCH = flags.DEFINE_integer("batch", 64, "Queries per batch.")
 _BATCHES = flags.DEFINE_integer("batches", 20, "Timed batches.")
 _PEER_BATCHES = flags.DEFINE_integer("peer_batches", 2, "Timed batches for rank_bm25.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Builds and loads timed (median).")
+_FUZZY = flags.DEFINE_bool("fuzzy", False, "Time bm25_fuzzy (words + character trigrams) instead of word BM25.")
 
 
 def _rss_gb() -> float:
@@ -61,7 +63,7 @@ def _latency(search, queries, batch: int, batches: int) -> dict:
 
 def main(_):
   rng = np.random.default_rng(0)
-  out = {"passages": _PASSAGES.value, "batch": _BATCH.value}
+  out = {"passages": _PASSAGES.value, "batch": _BATCH.value, "retriever": "bm25_fuzzy" if _FUZZY.value else "bm25"}
   with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "corpus.jsonl")
     texts = corpus(path, _PASSAGES.value, rng)
@@ -73,10 +75,10 @@ def main(_):
     for r in range(_REPEATS.value):
       index = os.path.join(d, f"index{r}")
       t0 = time.perf_counter()
-      retrieval.BM25Retriever(path, index_dir=index)
+      retrieval.BM25Retriever(path, index_dir=index, fuzzy=_FUZZY.value)
       builds.append(time.perf_counter() - t0)
       t0 = time.perf_counter()
-      ret = retrieval.BM25Retriever(path, index_dir=index)
+      ret = retrieval.BM25Retriever(path, index_dir=index, fuzzy=_FUZZY.value)
       loads.append(time.perf_counter() - t0)
       assert not ret.built
     out["bm25s"] = {"build_s": statistics.median(builds), "load_s": statistics.median(loads),

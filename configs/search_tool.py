@@ -11,7 +11,8 @@ facts that no training question asks. The corpus ("rlax.data.entities:corpus", 2
 once with BM25 over words and character trigrams (~/.cache/rlax/bm25). The conversation: the search system prompt, `env.examples` worked examples
 (`<search>query</search>`, a tool turn of passages, `<answer>...</answer>`: SmolLM2's template has no tool
 block), then the question. The reward: normalized exact match of the last turn's answer (qa_em); a passage
-never reaches the grader. Held-out pass@1 is reported per hop count (pass@1/1-hop, pass@1/2-hop).
+never reaches the grader. Held-out pass@1 is reported per hop count (pass@1/1-hop, pass@1/2-hop). Measured on
+2 CPU cores (README, "Train a searcher on your own corpus"): pass@1 0.098 → 0.223 in 7 steps, ~33 minutes.
 """
 
 from configs import smollm2

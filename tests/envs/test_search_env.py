@@ -125,7 +125,7 @@ def test_worked_examples_come_before_the_question():
   said = [m["content"] for m in msgs if m["role"] == "assistant"]
   assert said == ["<search>Brasimel Company</search>", "<search>Oda Kestrin</search>", "<answer>Mirrow</answer>",
                   "<search>Velloc</search>", "<answer>Tarnau</answer>", "<search>Talo Venmar</search>",
-                  "<answer>1712</answer>"]
+                  "<answer>weaver</answer>"]
   tool_turns = [m["content"] for m in msgs if m["role"] == env.render.tool_role]
   assert len(tool_turns) == 4 and tool_turns[0].startswith("Doc 1 (Title: Brasimel Company) The Brasimel")
   assert len(env.messages(REC)) - len(envs.get("search")(_ctx(examples=1)).messages(REC)) == 8  # two 1-search examples
