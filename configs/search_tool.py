@@ -27,7 +27,8 @@ def get_config(arg: str | None = None):
   # The prompt (system, three worked examples, the question) is ~520 tokens; an episode's turns and two tool turns
   # of passages ~250. 32 slots of 864 tokens: 3.09 GB per device (f32 cache and recompute transient, 0.54 GB of
   # weights) within a CPU device's 3.16 GB; 64 slots would not fit.
-  # 0.7: at 1.0 a 135M model garbles a third of its queries; the trainer scores tokens at the same temperature.
+  # 0.7: at 1.0 the 135M model's searches found the answer's passage in 35% of held-out episodes, at 0.7 in
+  # 47%. The trainer scores tokens at the rollout temperature.
   c.rollout.update(max_prompt_len=576, max_new_tokens=288, slots=32, temperature=0.7)
   c.eval.temperature = 0.7
   c.controller.steps = 7  # ~30 minutes of training on 2 CPU cores
