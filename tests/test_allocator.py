@@ -43,7 +43,7 @@ def test_a_limit_under_what_a_run_needs_is_warned_before_it_compiles(monkeypatch
   from rlax import allocator
   said = []
   monkeypatch.setattr(allocator.logging, "warning", lambda msg, *args: said.append(msg % args))
-  held, limit = allocator.memory_maps()
+  _, limit = allocator.memory_maps()
   allocator.check_memory_maps("building the sampler", need=limit)
   assert not said
   allocator.check_memory_maps("building the sampler", need=limit + 1)
