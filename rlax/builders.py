@@ -32,7 +32,7 @@ from rlax.envs import retrieval
 from rlax.models import hf
 from rlax.models.hf_tokenizer import Tokenizer
 from rlax.multihost import Channel, local_roles
-from rlax.rollout import packing
+from rlax.rollout import text as rollout_text
 from rlax.sampler import Sampler
 from rlax.sampler import sizing
 from rlax.sampler.engine import make_layout
@@ -252,11 +252,11 @@ def sampler(run: RunConfig, mesh, tok: Tokenizer) -> Sampler:
 
 def sampling_method(run: RunConfig) -> SamplingMethod:
   r = run.rollout
-  return packing.strategy(r.temperature, r.top_k, r.top_p)
+  return rollout_text.strategy(r.temperature, r.top_k, r.top_p)
 
 
 def eval_method(run: RunConfig) -> SamplingMethod:
-  return packing.strategy(run.eval.temperature)
+  return rollout_text.strategy(run.eval.temperature)
 
 
 def sampler_uses(run: RunConfig) -> tuple[tuple[int, SamplingMethod], ...]:

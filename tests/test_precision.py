@@ -18,6 +18,7 @@ from rlax import builders
 from rlax import config as config_lib
 from rlax import models
 from rlax.rollout import packing
+from rlax.rollout import text as rollout_text
 from rlax.sampler import Temperature
 from rlax.topology import build_topology
 
@@ -76,7 +77,7 @@ def test_precision_pair_runs_end_to_end(tmp_path, param_dtype, dtype):
 
   rng = np.random.default_rng(0)
   prompts = [list(rng.integers(3, MODEL["vocab_size"], 3)) for _ in range(PROMPTS)]
-  out = packing.to_host(sampler.generate(prompts, samples_per_prompt=G, strategy=Temperature(1.0), seed=0,
+  out = rollout_text.to_host(sampler.generate(prompts, samples_per_prompt=G, strategy=Temperature(1.0), seed=0,
                                          weights=weights))
   assert _finite(out.logprobs) and np.all(np.asarray(out.logprobs) <= 0)
   assert np.all((np.asarray(out.tokens) >= 0) & (np.asarray(out.tokens) < MODEL["vocab_size"]))

@@ -112,6 +112,21 @@ class AlgorithmConfig:
     """Whether the advantage normalizes within a prompt's group: then rollout.samples_per_prompt >= 2."""
     return self.advantage in GROUP_ESTIMATORS
 
+  @property
+  def zero_advantage_inert(self) -> bool:
+    """Whether a scored token with advantage 0 adds nothing to the policy's gradient: every policy loss is the
+    advantage times a function of the log-probs, but an entropy bonus or a KL term in the loss is not. The
+    trainer then skips micro-batches whose advantages are all 0 (rlax.trainer.trainer)."""
+    return not self.entropy_coef and not (self.kl_coef > 0 and not self.kl_in_reward)
+
+  @property
+  def tied_groups_inert(self) -> bool:
+    """Whether a group whose rewards all tie trains nothing: a group-relative estimator gives it advantage 0
+    (unless a KL shapes the rewards) and `zero_advantage_inert`. The step lays such groups out in micro-batches
+    of their own (rlax.runtime.step), which the trainer then skips."""
+    shaped = self.kl_coef > 0 and self.kl_in_reward
+    return self.zero_advantage_inert and self.advantage in GROUP_ESTIMATORS and not shaped
+
   def replace(self, **kw) -> "AlgorithmConfig":
     return dataclasses.replace(self, **kw)
 

@@ -27,6 +27,13 @@ def informative_groups(rewards, atol: float = 1e-6) -> tuple[np.ndarray, int]:
   return keep, int(r.shape[0] - keep.sum())
 
 
+def tied_rows(rewards, group_size: int, atol: float = 1e-6) -> np.ndarray:
+  """[B] bool: the rows of a batch (groups of `group_size` contiguous rows, as the advantages take them) whose
+  group's rewards all tie. Caller: rlax.runtime.step (such groups train nothing; their rows are packed apart)."""
+  keep, _ = informative_groups(np.asarray(rewards).reshape(-1, group_size), atol)
+  return np.repeat(~keep, group_size)
+
+
 def refill_count(rewards, target_groups: int, atol: float = 1e-6) -> int:
   """How many more groups must be sampled so that `target_groups` informative ones are available,
   assuming refills are as informative as this round (at least the raw shortfall)."""

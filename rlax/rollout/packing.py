@@ -1,7 +1,7 @@
-"""Between the sampler and the trainer, on the host: prompts → token ids, sampler output → `RolloutBatch`.
+"""Between the sampler and the trainer, on the host: sampler output → `RolloutBatch` → packed trainer rows.
 
-Everything here is numpy: the sampler's output is fetched to the host once (`jax.device_get` of the
-whole `SampleOutput`), decoded for grading and packed here, and the trainer places the packed batch on
+Everything here is numpy: the sampler's output is fetched to the host once (rlax.rollout.text.to_host),
+decoded for grading and packed here, and the trainer places the packed batch on
 its mesh with one `device_put` — one host→device crossing per rollout.
 """
 
@@ -13,34 +13,9 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from rlax.data.prompts import PromptRenderer
-from rlax.data.records import Record
 from rlax.models import moe
-from rlax.rollout import stats as rollout_stats
-from rlax.sampler import SampleOutput, strategies
+from rlax.sampler import SampleOutput
 from rlax.trainer.batch import PackedBatch, RolloutBatch, response_loss_mask
-
-
-def strategy(temperature: float, top_k: int = 0, top_p: float = 1.0) -> strategies.SamplingMethod:
-  """The sampling method a config asks for (temperature, then optional top-k or top-p truncation)."""
-  if top_k and top_p < 1.0:
-    raise ValueError("rollout.top_k and rollout.top_p are exclusive; set one of them")
-  if top_k:
-    return strategies.TopK(top_k, temperature)
-  if top_p < 1.0:
-    return strategies.TopP(top_p, temperature)
-  return strategies.Temperature(temperature)
-
-
-def to_host(out: SampleOutput) -> SampleOutput:
-  """The sampler output with every array fetched to the host in one transfer."""
-  return jax.device_get(out)
-
-
-def completions(tokenizer, out: SampleOutput) -> list[str]:
-  """Decoded response text of every row (EOS and padding dropped); `out` on the host."""
-  toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
-  return [tokenizer.decode(t[:n]) for t, n in zip(toks, lens)]
 
 
 def pack(out: SampleOutput, rewards: np.ndarray, prompt_len: int, forks=None) -> RolloutBatch:
@@ -101,10 +76,10 @@ def _sequences(batch: RolloutBatch) -> list[tuple[np.ndarray, int, int]]:
   return out
 
 
-def _pieces(batch: RolloutBatch, seqs, share: bool, row_len: int, slot_cap: int
+def _pieces(batch: RolloutBatch, seqs, share: bool, row_len: int, slot_cap: int, inert: np.ndarray
             ) -> list[tuple[np.ndarray, list[int]]]:
   """Pieces of (prompt, member rows): one prompt, then the responses that attend to it, within row_len tokens
-  and slot_cap scored slots."""
+  and slot_cap scored slots; a piece's members are all `inert` or none."""
   groups: dict = {}
   for b, (prompt, _, n) in enumerate(seqs):
     if n == 0:
@@ -112,7 +87,7 @@ def _pieces(batch: RolloutBatch, seqs, share: bool, row_len: int, slot_cap: int
     if len(prompt) + n > row_len:
       raise ValueError(f"a sequence of {len(prompt) + n} tokens ({len(prompt)} prompt + {n} response) does not "
                        f"fit a packed row of optimizer.pack_tokens={row_len}; raise it")
-    key = (int(batch.group_ids[b]), prompt.tobytes()) if share else b
+    key = (int(batch.group_ids[b]), prompt.tobytes(), bool(inert[b])) if share else b
     groups.setdefault(key, []).append(b)
   pieces = []
   for members in groups.values():
@@ -168,22 +143,9 @@ class PackedShape:
   order: tuple[int, ...] = ()
 
 
-def pack_tokens(batch: RolloutBatch, row_len: int | PackedShape, *, share_prompts: bool = True,
-                row_multiple: int = 1) -> PackedBatch:
-  """The padded numpy batch as rows of `row_len` real tokens (first-fit decreasing), on the host.
-
-  With share_prompts, the responses of one group whose prompts are equal follow one copy of the prompt and
-  attend to it (the same hidden states and gradients as separate copies, computed once). `row_len` a
-  `PackedShape`: exactly its rows and slots (a row holds at most `slots` scored slots; ValueError if the batch
-  needs more rows); an int: `row_bucket(rows, row_multiple)` rows and `slot_bucket` slots. Sequences with no
-  response token get no slots. Raises ValueError naming the knob if a sequence does not fit."""
-  fixed = row_len if isinstance(row_len, PackedShape) else None
-  row_len = fixed.length if fixed else row_len
-  slot_cap = fixed.slots if fixed else row_len
-  batch.check()
-  seqs = _sequences(batch)
-  pieces = sorted(_pieces(batch, seqs, share_prompts, row_len, slot_cap),
-                  key=lambda pc: -(len(pc[0]) + sum(seqs[b][2] for b in pc[1])))
+def _first_fit(pieces, seqs, row_len: int, slot_cap: int) -> tuple[list[list], list[int]]:
+  """Rows of (prompt, members) holding `pieces` (first-fit decreasing) and the scored slots each row uses."""
+  pieces = sorted(pieces, key=lambda pc: -(len(pc[0]) + sum(seqs[b][2] for b in pc[1])))
   rows: list[list] = []
   free: list[int] = []
   room: list[int] = []  # scored slots left
@@ -220,14 +182,42 @@ def pack_tokens(batch: RolloutBatch, row_len: int | PackedShape, *, share_prompt
         r = len(rows) - 1
       place(r, prompt, members)
       members = []
+  return rows, [slot_cap - k for k in room]
+
+
+def pack_tokens(batch: RolloutBatch, row_len: int | PackedShape, *, share_prompts: bool = True,
+                row_multiple: int = 1, inert: np.ndarray | None = None) -> PackedBatch:
+  """The padded numpy batch as rows of `row_len` real tokens (first-fit decreasing), on the host.
+
+  With share_prompts, the responses of one group whose prompts are equal follow one copy of the prompt and
+  attend to it (the same hidden states and gradients as separate copies, computed once). `row_len` a
+  `PackedShape`: exactly its rows and slots (a row holds at most `slots` scored slots; ValueError if the batch
+  needs more rows); an int: `row_bucket(rows, row_multiple)` rows and `slot_bucket` slots. Sequences with no
+  response token get no slots. `inert` [B] bool: sequences that add nothing to the gradient (a tied group's),
+  packed into rows of their own after the others; in a `PackedShape` they fill its order from the back, so
+  they take whole micro-batches of their own, which the trainer skips. Raises ValueError naming the knob if a
+  sequence does not fit."""
+  fixed = row_len if isinstance(row_len, PackedShape) else None
+  row_len = fixed.length if fixed else row_len
+  slot_cap = fixed.slots if fixed else row_len
+  batch.check()
+  seqs = _sequences(batch)
+  inert = np.zeros(batch.batch_size, bool) if inert is None else np.asarray(inert, bool)
+  pieces = _pieces(batch, seqs, share_prompts, row_len, slot_cap, inert)
+  live, idle = ([pc for pc in pieces if inert[pc[1][0]] == i] for i in (False, True))
+  rows, used = _first_fit(live, seqs, row_len, slot_cap)
+  idle_rows, idle_used = _first_fit(idle, seqs, row_len, slot_cap)
   if fixed:
-    if len(rows) > fixed.rows:
-      raise ValueError(f"the batch packs into {len(rows)} rows of {row_len} tokens; its program has {fixed.rows}")
-    R, K, at = fixed.rows, fixed.slots, np.asarray(fixed.order or range(R))
+    if len(rows) + len(idle_rows) > fixed.rows:
+      raise ValueError(f"the batch packs into {len(rows) + len(idle_rows)} rows of {row_len} tokens; its program "
+                       f"has {fixed.rows}")
+    R, K, order = fixed.rows, fixed.slots, np.asarray(fixed.order or range(fixed.rows))
+    at = np.concatenate([order[:len(rows)], order[::-1][:len(idle_rows)]]).astype(int)
   else:
-    R = row_bucket(len(rows), row_multiple)
-    K = slot_bucket(max([slot_cap - k for k in room] + [1]), row_len)
+    R = row_bucket(len(rows) + len(idle_rows), row_multiple)
+    K = slot_bucket(max(used + idle_used + [1]), row_len)
     at = np.arange(R)
+  rows += idle_rows
   B = batch.batch_size
   tok, lm = np.asarray(batch.tokens), np.asarray(batch.loss_mask, np.float32)
   forks = np.zeros(tok.shape, np.int32) if batch.forks is None else np.asarray(batch.forks)
@@ -304,19 +294,28 @@ def slot_cap(length: int, prompt_len: int, new_tokens: int, group: int, share_pr
   return slot_bucket(min(length - 1, n), length)
 
 
-def rows_run(packed: PackedBatch, micro_batches: int) -> int:
+def rows_run(packed: PackedBatch, micro_batches: int, inert: np.ndarray | None = None) -> int:
   """Rows the trainer computes for `packed`: those of its micro-batches (strided, rlax.trainer.state) that hold
-  a sequence; the others are skipped."""
-  R = packed.tokens.shape[0]
-  live = (np.asarray(packed.seq) < packed.batch_size).any(1)
+  a sequence not `inert` ([B] bool, as for `pack_tokens`); the others are skipped. One micro-batch always runs
+  (rlax.trainer.state.accumulate_gradients)."""
+  R, B = packed.tokens.shape[0], packed.batch_size
+  if micro_batches == 1:
+    return R
+  seq = np.asarray(packed.seq)
+  scored = seq < B
+  if inert is not None:
+    scored &= ~np.append(np.asarray(inert, bool), True)[np.minimum(seq, B)]
+  live = scored.any(1)
   return R // micro_batches * int(sum(live[j::micro_batches].any() for j in range(micro_batches)))
 
 
-def for_trainer(batch: RolloutBatch, trainer, row_lens, share_prompts: bool = True, padded: bool = True):
+def for_trainer(batch: RolloutBatch, trainer, row_lens, share_prompts: bool = True, padded: bool = True,
+                inert: np.ndarray | None = None):
   """The rollout as `trainer` computes it: packed rows of the length in `row_lens` that costs the fewest FLOPs
   for this batch (`row_cost` of the rows that run), or with `padded` the padded batch as is when packing saves
   too little. `row_lens`: ints (rows in row buckets, sized per batch), or the resolved run's `PackedShape`s
-  (exactly those shapes: no new program); 0 or (): padded."""
+  (exactly those shapes: no new program); 0 or (): padded. `inert` [B] bool: sequences that add nothing to the
+  gradient, packed apart so that their micro-batches are skipped (`pack_tokens`)."""
   lens = (row_lens,) if isinstance(row_lens, (int, PackedShape)) else tuple(row_lens)
   lens = tuple(n for n in lens if n)
   split = batch.forks is not None and bool(np.any(batch.forks))
@@ -327,10 +326,10 @@ def for_trainer(batch: RolloutBatch, trainer, row_lens, share_prompts: bool = Tr
       raise ValueError("episodes split into rows (a template that is not append-only) train in packed rows; "
                        "set optimizer.pack_tokens")
     return batch
-  cost = lambda p: row_cost(trainer.model_cfg, rows_run(p, trainer.num_micro_batches(*p.tokens.shape)),
+  cost = lambda p: row_cost(trainer.model_cfg, rows_run(p, trainer.num_micro_batches(*p.tokens.shape), inert),
                             p.tokens.shape[1])
-  best = min((pack_tokens(batch, n, share_prompts=share_prompts, row_multiple=trainer.packed_rows_multiple())
-              for n in lens), key=cost)
+  best = min((pack_tokens(batch, n, share_prompts=share_prompts, row_multiple=trainer.packed_rows_multiple(),
+                          inert=inert) for n in lens), key=cost)
   if split or not padded:
     return best
   # At equal FLOPs packed rows run ~10% slower on CPU (no prompt skip in the last layer, segment masks, the
@@ -373,27 +372,3 @@ def empty_batch(batch: int, prompt_len: int, new_tokens: int, forks: bool = Fals
                       behaviour_logprobs=z(batch, T - 1), rewards=z(batch), versions=z(batch, d=np.int32),
                       group_ids=z(batch, d=np.int32), forks=z(batch, T, d=np.int32) if forks else None,
                       routes=z(batch, T, *routes, d=np.uint8) if routes else None, prompt_len=prompt_len)
-
-
-def text_generate_fn(sampler, render: PromptRenderer, method: strategies.SamplingMethod, seed: int, step: int,
-                     weights=None):
-  """A `generate_fn(records, n) -> list[list[str]]` over the sampler (for eval and curation); weights: the
-  source the sampler reads (default its own). `generate.lengths` collects every completion's (tokens,
-  truncated: it hit max_new_tokens)."""
-  calls = [0]
-
-  def generate(records: Sequence[Record], n: int) -> list[list[str]]:
-    if not records:
-      return []
-    ids = render.encode_all(records)  # one stream: the engine queues any number of prompts
-    out = sampler.generate(ids, samples_per_prompt=n, strategy=method, seed=seed, step=step,
-                           prompt_ids=list(range(calls[0], calls[0] + len(ids))), weights=weights)
-    calls[0] += len(ids)
-    out = to_host(out)
-    texts = completions(render.tokenizer, out)
-    cut = rollout_stats.truncated_from_finish_reason(out.finish_reason)
-    generate.lengths += [(int(t), bool(c)) for t, c in zip(np.asarray(out.lengths), cut)]
-    return [texts[i * n:(i + 1) * n] for i in range(len(records))]
-
-  generate.lengths = []
-  return generate

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import psutil
 
+from rlax.data import dynamic_sampling
 from rlax.rollout import packing
 from rlax.runtime.run_state import NonFiniteError
 from rlax.trainer.batch import PackedBatch
@@ -47,10 +48,12 @@ def train_batch(trainer, plan, data, state, ref_params, *, share_prompts: bool,
   if bad is not None:
     return state, {}, bad
   ready()
-  host = packing.for_trainer(data, trainer, plan.packed, share_prompts, padded=plan.padded)
+  # Tied groups (advantage 0) are packed into micro-batches of their own, which the trainer skips.
+  inert = dynamic_sampling.tied_rows(data.rewards, trainer.group_size) if trainer.algo.tied_groups_inert else None
+  host = packing.for_trainer(data, trainer, plan.packed, share_prompts, padded=plan.padded, inert=inert)
   R, L = host.tokens.shape
   n = trainer.num_micro_batches(R, L)
-  rows = packing.rows_run(host, n) if isinstance(host, PackedBatch) else R
+  rows = packing.rows_run(host, n, inert) if isinstance(host, PackedBatch) else R
   batch = trainer.place(host)
   if ref_params is not None:
     batch = batch.replace(ref_logprobs=trainer.ref_logprobs(ref_params, batch))

@@ -83,6 +83,22 @@ def loss_inputs(algo: algorithms.AlgorithmConfig, batch: RolloutBatch | PackedBa
                     advantages=adv, ref_logprobs=batch.ref_logprobs)
 
 
+def _router_loss(model_cfg: models.ModelConfig) -> bool:
+  """Whether a MoE policy's router losses are in the objective (their coefficients are set)."""
+  return model_cfg.moe is not None and bool(model_cfg.moe.load_balance_coef or model_cfg.moe.router_z_coef)
+
+
+def contributes(algo: algorithms.AlgorithmConfig, model_cfg: models.ModelConfig, mb: LossInputs) -> jax.Array:
+  """[] bool: whether micro-batch `mb` adds to the gradient of `rl_loss`: it scores a token and, where a zero
+  advantage adds nothing (AlgorithmConfig.zero_advantage_inert, no router loss), one with a nonzero advantage.
+  The trainer skips the others, so a tied group laid out apart (rlax.rollout.packing) costs nothing."""
+  m = mb.loss_mask > 0
+  if not algo.zero_advantage_inert or _router_loss(model_cfg):
+    return jnp.any(m)
+  adv = mb.advantages if mb.advantages.ndim == m.ndim else mb.advantages[:, None]
+  return jnp.any(m & (adv != 0))
+
+
 def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmConfig, mb: LossInputs, *, num_tokens,
             num_seqs, num_rows: int, chunk: int = 256, temperature: float = 1.0, start: int = 0,
             layout: Optional[layouts.Layout] = None, num_inputs=None) -> tuple[jax.Array, dict]:
@@ -123,7 +139,7 @@ def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmCon
   agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, num_rows=num_rows, max_len=max_len, segments=seg)
   loss = algorithms.aggregate(total, m, algo.loss_agg, **agg)
   inputs = layout.input_tokens(mb.model)
-  if router and (model_cfg.moe.load_balance_coef or model_cfg.moe.router_z_coef):  # else no gradient to spend
+  if router and _router_loss(model_cfg):  # else no gradient to spend
     share = inputs / jnp.maximum(inputs if num_inputs is None else num_inputs, 1.0)
     loss = loss + moe.aux_loss(model_cfg, router[0]) * share
 

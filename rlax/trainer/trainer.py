@@ -341,7 +341,8 @@ class Trainer:
                         num_inputs=num_inputs)
 
     n = self.num_micro_batches(*batch.tokens.shape)
-    grads, loss, stacked = accumulate_gradients(loss_fn, state.params, inputs, n, active=_has_loss)
+    grads, loss, stacked = accumulate_gradients(loss_fn, state.params, inputs, n,
+                                                active=functools.partial(rl.contributes, self.algo, self.model_cfg))
     new_state, grad_norm = apply_gradients(self.tx, state, grads, loss)
     metrics = rl.reduce_metrics(stacked, loss, grad_norm, self._lr(state.step))
     ok = update_is_finite(loss, grad_norm)

@@ -10,7 +10,7 @@ from rlax import envs
 from rlax import evaluation
 from rlax import sampler as S
 from rlax.data.records import Record
-from rlax.rollout import packing
+from rlax.rollout import text as rollout_text
 
 from harness.sampling_ref import CFG, P0, PROMPTS
 
@@ -48,12 +48,12 @@ def test_run_is_generate_then_grade():
   sm, pool = make(), Pool()
   with envs.single_turn_episodes(Render, reward, pool.grade)(sm.stream(S.Temperature(1.0)), sync=True) as eps:
     done = eps.run(RECS, samples_per_prompt=2, seed=3, step=1, prompt_ids=[5, 6, 7, 8])
-  want = packing.to_host(sm.generate(Render.encode_all(RECS), samples_per_prompt=2, strategy=S.Temperature(1.0),
+  want = rollout_text.to_host(sm.generate(Render.encode_all(RECS), samples_per_prompt=2, strategy=S.Temperature(1.0),
                                      seed=3, step=1, prompt_ids=[5, 6, 7, 8]))
   got = S.concat_outputs([f.out for f in done])
   for f in dataclasses.fields(want):
     np.testing.assert_array_equal(np.asarray(getattr(got, f.name)), np.asarray(getattr(want, f.name)), f.name)
-  graded = Pool().grade(reward, packing.completions(Render.tokenizer, want), [r for r in RECS for _ in range(2)])
+  graded = Pool().grade(reward, rollout_text.completions(Render.tokenizer, want), [r for r in RECS for _ in range(2)])
   rewards = np.concatenate([f.rewards for f in done])
   assert rewards.dtype == np.float64 and rewards.tolist() == [g[0] for g in graded]
   assert pool.calls == [8] and [f.tag for f in done] == [0, 1, 2, 3]
@@ -82,7 +82,7 @@ def test_held_out_equals_text_generation_and_grading():
   sm, pool = make(), Pool()
   res = evaluation.held_out(RECS, sampler=sm, render=Render, reward_fn=reward, pool=pool, method=S.Temperature(1.0),
                             n=2, seed=4, greedy=True)
-  gen = packing.text_generate_fn(sm, Render, S.Temperature(1.0), seed=4, step=0)
-  greedy = packing.text_generate_fn(sm, Render, S.Greedy(), seed=4, step=0)
+  gen = rollout_text.text_generate_fn(sm, Render, S.Temperature(1.0), seed=4, step=0)
+  greedy = rollout_text.text_generate_fn(sm, Render, S.Greedy(), seed=4, step=0)
   want = evaluation.evaluate(gen, RECS, reward, n=2, ks=(1, 2), grade_fn=Pool().grade, greedy_fn=greedy)
   assert res == want and "mean_length" in res and not any(k.startswith("env/") for k in res)

@@ -122,3 +122,47 @@ def test_empty_micro_batches_change_nothing(share):
     np.testing.assert_allclose(m1[k], m2[k], rtol=2e-5, atol=1e-6, err_msg=k)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p1, p2)
   assert m1["micro_batches_run"] < plan.programs[0].micro_batches
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_tied_groups_take_micro_batches_of_their_own_and_are_skipped(share):
+  """GRPO without KL or entropy terms: a group whose rewards tie has advantage 0 and adds nothing. Packed apart
+  (`inert`), its rows fill micro-batches from the program's back, which the trainer skips: the same update as
+  the batch packed as small as it goes, for fewer micro-batches."""
+  run = _run(micro_batch_tokens=48, pack_tokens=48, share_prompts=share)
+  trainer = builders.trainer(run, None)
+  assert trainer.algo.tied_groups_inert
+  prog = run_lib.train_plan(run, trainer).programs[0]
+  host = _batch([3, 10, 0, 5, 7, 1, 2, 9], seed=4)
+  host = host.replace(rewards=np.where(np.arange(8) < G, 1.0, host.rewards).astype(np.float32))  # group 0 ties
+  inert = np.arange(8) < G
+  apart = packing.pack_tokens(host, prog.packed, share_prompts=share, inert=inert)
+  small = packing.pack_tokens(host, prog.packed.length, share_prompts=share)
+  mbs = np.asarray(split_micro_batches(jnp.asarray(apart.seq), prog.micro_batches))  # [n, rows, K]
+  holds = [set(np.unique(mb[mb < 8]).tolist()) for mb in mbs]
+  assert all(not (h & set(np.flatnonzero(inert))) or h <= set(np.flatnonzero(inert)) for h in holds)
+  live = sum(bool(h - set(np.flatnonzero(inert))) for h in holds)
+  assert packing.rows_run(apart, prog.micro_batches, inert) == live * prog.micro_rows
+  params = M.create_params(run.model)
+  out = []
+  for b in (apart, small):
+    state = trainer.init_state(jax.tree.map(jnp.copy, params))
+    state, m = trainer.step(state, b)
+    out.append((jax.device_get(state.params), jax.device_get(m)))
+  (p1, m1), (p2, m2) = out
+  for k in ("loss", "pg_loss", "grad_norm"):
+    np.testing.assert_allclose(m1[k], m2[k], rtol=2e-5, atol=1e-6, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p1, p2)
+  assert m1["micro_batches_run"] == live < sum(bool(h) for h in holds)
+  assert m1["tokens"] == sum(host.loss_mask[G:].ravel())  # the tied group's tokens were not computed
+
+
+def test_which_algorithms_skip_tied_groups():
+  """Only where a tie gives advantage 0 and a zero advantage gives no gradient."""
+  assert A.get_algorithm("grpo", kl_coef=0.0).tied_groups_inert
+  assert A.get_algorithm("rloo").tied_groups_inert and A.get_algorithm("dr_grpo").tied_groups_inert
+  assert not A.get_algorithm("grpo", kl_coef=0.04).tied_groups_inert  # the KL term trains every token
+  assert not A.get_algorithm("grpo", kl_coef=0.0, entropy_coef=0.01).tied_groups_inert
+  assert not A.get_algorithm("grpo", kl_coef=0.04, kl_in_reward=True).tied_groups_inert  # shaped rewards differ
+  assert A.get_algorithm("grpo", kl_coef=0.04, kl_in_reward=True).zero_advantage_inert
+  assert not A.get_algorithm("reinforce_pp").tied_groups_inert  # normalized over the batch, not the group
