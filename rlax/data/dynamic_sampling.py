@@ -27,10 +27,11 @@ def informative_groups(rewards, atol: float = 1e-6) -> tuple[np.ndarray, int]:
   return keep, int(r.shape[0] - keep.sum())
 
 
-def tied_rows(rewards, group_size: int, atol: float = 1e-6) -> np.ndarray:
+def tied_rows(rewards, group_size: int) -> np.ndarray:
   """[B] bool: the rows of a batch (groups of `group_size` contiguous rows, as the advantages take them) whose
-  group's rewards all tie. Caller: rlax.runtime.step (such groups train nothing; their rows are packed apart)."""
-  keep, _ = informative_groups(np.asarray(rewards).reshape(-1, group_size), atol)
+  group's rewards are all equal, exactly: the estimators' rule for advantage 0 (rlax.algorithms.advantages).
+  Caller: rlax.runtime.step (such groups train nothing; their rows are packed apart)."""
+  keep, _ = informative_groups(np.asarray(rewards).reshape(-1, group_size), atol=0.0)
   return np.repeat(~keep, group_size)
 
 

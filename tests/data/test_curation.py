@@ -1,8 +1,10 @@
 """Curation on planted data: duplicates, contamination, difficulty band, curriculum, dynamic sampling."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rlax import algorithms as A
 from rlax.data import curation as C
 from rlax.data import dynamic_sampling as D
 from rlax.data.records import Record
@@ -118,3 +120,14 @@ def test_group_buffer_keeps_batch_size():
   assert len(set(sum(popped, []))) == 24  # no group served twice
   with pytest.raises(ValueError, match="not ready"):
     D.GroupBuffer(2).pop_batch()
+
+
+def test_tied_rows_follow_the_estimators_rule_for_a_zero_advantage():
+  """A group is tied only where its rewards are exactly equal: GRPO's advantage is then exactly 0, while rewards
+  1e-7 apart still get advantages far from 0 after the std division, so their rows must train."""
+  rewards = np.array([0, 0, 0, 0, 1, 0, 1, 1, 0.5, 0.5, 0.5, 0.5 + 1e-7], np.float32)
+  tied = D.tied_rows(rewards, 4)
+  np.testing.assert_array_equal(tied, [True] * 4 + [False] * 8)
+  adv = np.asarray(A.get_algorithm("grpo").advantages(jnp.asarray(rewards), 4))
+  np.testing.assert_array_equal(adv[tied], 0.0)
+  assert (np.abs(adv[4:].reshape(2, 4)).max(1) > 0.1).all()  # each untied group has rows that train
