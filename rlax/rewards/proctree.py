@@ -98,19 +98,24 @@ def clean_up_children() -> None:
       return
 
 
-def sweep(workers: dict[int, Optional[int]]) -> int:
+def sweep(workers: dict[int, Optional[int]], budget_s: float = 5.0) -> int:
   """Kills every child of this fork server that is not a live worker, with its tree: what the jobs of a
-  worker killed from outside left (re-parented here, a subreaper). Returns how many."""
-  me, n = os.getpid(), 0
-  for _ in range(100):
+  worker killed from outside left (re-parented here, a subreaper). Returns how many, once each is dead (a
+  zombie) or `budget_s` ran out: a SIGKILLed process on a loaded host takes a while to exit, and the caller
+  reports the job ended only after this."""
+  me, n, end = os.getpid(), 0, time.monotonic() + budget_s
+  seen: set[int] = set()
+  while True:
     procs = table()
     for pid in [p for p in workers if p not in procs]:
       del workers[pid]
     strays = [p for p, (parent, state, start) in procs.items()
               if parent == me and state not in "ZX" and workers.get(p, -1) != start]
-    if not strays:
+    if not strays or time.monotonic() > end:
       break
-    n += len(strays)
+    n += len(set(strays) - seen)
+    seen.update(strays)
     for p in strays:
       kill_tree(p)
+    time.sleep(0.002)
   return n
