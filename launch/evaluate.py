@@ -21,7 +21,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from launch.flags_util import (DEMO_CONFIG, apply_compilation_cache, apply_cpu_devices,  # noqa: E402
                                define_compilation_cache, define_config, define_cpu_devices, define_step,
-                               define_task, parse_or_exit)
+                               define_task, parse_or_exit, quiet_library_logs)
 
 CONFIG = define_config(DEMO_CONFIG)
 CPU_DEVICES = define_cpu_devices()
@@ -41,6 +41,7 @@ def main(argv):
   apply_cpu_devices()  # before the first JAX operation
   apply_compilation_cache()
   logging.set_verbosity(logging.WARNING)
+  quiet_library_logs()
   from rlax.evaluation import evaluate_model  # pylint: disable=g-import-not-at-top
   try:
     result = evaluate_model(CONFIG.value, model=MODEL.value, checkpoint=CHECKPOINT.value, step=STEP.value,

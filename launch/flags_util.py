@@ -1,10 +1,13 @@
 """Flags that several entry points share, defined here once; a bad --config or override exits with one line."""
 
 import ast
+import importlib.util
+import logging as py_logging
 import os
 import sys
 
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 flags.disclaim_key_flags()  # flags defined here belong to the calling entry point (its --help lists them)
@@ -42,6 +45,23 @@ def config_args() -> dict[str, str]:
       out[name] = arg.split("=", 1)[1] if "=" in arg else str(arg == f"--{name}").lower()
   out.update(_SET_AFTER)
   return out
+
+
+def _quiet_orbax(record) -> bool:
+  if "orbax" not in record.pathname:
+    return True
+  record.exc_info = record.exc_text = None
+  return record.levelno >= logging.converter.STANDARD_WARNING
+
+
+def quiet_library_logs() -> None:
+  """Keeps libraries' noise off a user's console: orbax logs every file operation at INFO (its warnings stay,
+  its errors without the traceback: rlax raises the same failure as one line), and JAX's failed TPU probe
+  where no TPU software is installed. Callers: launch.main, launch.evaluate, launch.search_index."""
+  logging.get_absl_handler().addFilter(_quiet_orbax)
+  if importlib.util.find_spec("libtpu") is None:
+    py_logging.getLogger("jax._src.xla_bridge").addFilter(
+        lambda r: not r.getMessage().startswith("Unable to initialize backend 'tpu'"))
 
 
 def define_cpu_devices(default: int = 8) -> flags.FlagHolder[int]:

@@ -13,8 +13,6 @@ runs the same job as two processes (one per role; weights cross by a collective 
 """
 
 import json
-import importlib.util
-import logging as py_logging
 import os
 import sys
 import traceback
@@ -26,19 +24,13 @@ _bootstrap.ensure_installed()  # a clone not installed yet: `pip install -e .` f
 from absl import app, flags, logging  # noqa: E402
 
 from launch.flags_util import (DEMO_CONFIG, apply_compilation_cache, apply_cpu_devices,  # noqa: E402
-                               define_compilation_cache, define_config, define_cpu_devices, parse_or_exit)
+                               define_compilation_cache, define_config, define_cpu_devices, parse_or_exit,
+                               quiet_library_logs)
 
 CONFIG = define_config(DEMO_CONFIG)
 CPU_DEVICES = define_cpu_devices()
 COMPILATION_CACHE = define_compilation_cache()
 PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar on the console.")
-
-
-def _quiet_orbax(record) -> bool:
-  if "orbax" not in record.pathname:
-    return True
-  record.exc_info = record.exc_text = None
-  return record.levelno >= logging.converter.STANDARD_WARNING
 
 
 def main(argv):
@@ -57,12 +49,7 @@ def main(argv):
   from rlax.runtime import Controller, NonFiniteError
   if not flags.FLAGS["verbosity"].present:  # one-time facts; per-step details at --verbosity=1
     logging.set_verbosity(logging.INFO)
-  # orbax logs every file operation at INFO; keep its warnings only, and its errors without the traceback
-  # (rlax raises the same failure as one CheckpointError line).
-  logging.get_absl_handler().addFilter(_quiet_orbax)
-  if importlib.util.find_spec("libtpu") is None:  # no TPU software here: JAX's failed TPU probe is noise
-    py_logging.getLogger("jax._src.xla_bridge").addFilter(
-        lambda r: not r.getMessage().startswith("Unable to initialize backend 'tpu'"))
+  quiet_library_logs()
   try:  # rlax.config.load types and validates the config; a relative workdir resolves against the cwd
     controller = Controller(CONFIG.value, progress=PROGRESS.value)
   except ValueError as e:

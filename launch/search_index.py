@@ -16,7 +16,7 @@ import time
 from absl import app
 from absl import flags
 
-from launch.flags_util import parse_or_exit
+from launch.flags_util import parse_or_exit, quiet_library_logs
 from rlax.envs import retrieval
 
 _CORPUS = flags.DEFINE_string("corpus", "", "The corpus: .jsonl/.parquet/datasets dir of id/title/text, or module:fn.")
@@ -27,6 +27,7 @@ _K = flags.DEFINE_integer("k", 3, "Passages per query.", lower_bound=1)
 
 def main(argv):
   del argv
+  quiet_library_logs()
   t0 = time.perf_counter()
   try:
     r = retrieval.make_retriever(_RETRIEVER.value, _CORPUS.value)
