@@ -1,7 +1,7 @@
 """Between the sampler and the trainer, on the host: sampler output → `RolloutBatch` → packed trainer rows.
 
 Everything here is numpy: the sampler's output is fetched to the host once (rlax.rollout.text.to_host),
-decoded for grading and packed here, and the trainer places the packed batch on
+decoded for grading (rlax.rollout.text) and packed here, and the trainer places the packed batch on
 its mesh with one `device_put` — one host→device crossing per rollout.
 """
 

@@ -100,6 +100,15 @@ def test_no_compile_after_warm_up_across_varied_batches():
   assert len(runs) > 1  # the batches did vary in how many rows they needed
 
 
+def _one_step_each(trainer, params, *batches) -> list[tuple]:
+  """(updated parameters, metrics) of one step on each batch, every step from the same `params`, on the host."""
+  out = []
+  for b in batches:
+    state, m = trainer.step(trainer.init_state(jax.tree.map(jnp.copy, params)), b)
+    out.append((jax.device_get(state.params), jax.device_get(m)))
+  return out
+
+
 @pytest.mark.parametrize("share", [True, False])
 def test_empty_micro_batches_change_nothing(share):
   """The same batch in its run's fixed program (many micro-batches, most empty) and packed as small as it
@@ -111,13 +120,7 @@ def test_empty_micro_batches_change_nothing(share):
   fixed = packing.pack_tokens(host, plan.packed[0], share_prompts=share)
   small = packing.pack_tokens(host, plan.packed[0].length, share_prompts=share)
   assert fixed.tokens.shape[0] > small.tokens.shape[0]
-  params = M.create_params(run.model)
-  out = []
-  for b in (fixed, small):
-    state = trainer.init_state(jax.tree.map(jnp.copy, params))
-    state, m = trainer.step(state, b)
-    out.append((jax.device_get(state.params), jax.device_get(m)))
-  (p1, m1), (p2, m2) = out
+  (p1, m1), (p2, m2) = _one_step_each(trainer, M.create_params(run.model), fixed, small)
   for k in ("loss", "pg_loss", "entropy", "ratio_max", "logp_diff_max", "tokens", "grad_norm"):
     np.testing.assert_allclose(m1[k], m2[k], rtol=2e-5, atol=1e-6, err_msg=k)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p1, p2)
@@ -140,16 +143,11 @@ def test_tied_groups_take_micro_batches_of_their_own_and_are_skipped(share):
   small = packing.pack_tokens(host, prog.packed.length, share_prompts=share)
   mbs = np.asarray(split_micro_batches(jnp.asarray(apart.seq), prog.micro_batches))  # [n, rows, K]
   holds = [set(np.unique(mb[mb < 8]).tolist()) for mb in mbs]
-  assert all(not (h & set(np.flatnonzero(inert))) or h <= set(np.flatnonzero(inert)) for h in holds)
-  live = sum(bool(h - set(np.flatnonzero(inert))) for h in holds)
+  tied = set(np.flatnonzero(inert).tolist())
+  assert all(not (h & tied) or h <= tied for h in holds)
+  live = sum(bool(h - tied) for h in holds)
   assert packing.rows_run(apart, prog.micro_batches, inert) == live * prog.micro_rows
-  params = M.create_params(run.model)
-  out = []
-  for b in (apart, small):
-    state = trainer.init_state(jax.tree.map(jnp.copy, params))
-    state, m = trainer.step(state, b)
-    out.append((jax.device_get(state.params), jax.device_get(m)))
-  (p1, m1), (p2, m2) = out
+  (p1, m1), (p2, m2) = _one_step_each(trainer, M.create_params(run.model), apart, small)
   for k in ("loss", "pg_loss", "grad_norm"):
     np.testing.assert_allclose(m1[k], m2[k], rtol=2e-5, atol=1e-6, err_msg=k)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p1, p2)
