@@ -208,20 +208,25 @@ def extend(params, st: SlotState, slot_ids, append, n_append, limits, stop_ids, 
 def recompute(params, st: SlotState, *, cfg: models.ModelConfig, layout) -> SlotState:
   """Recomputes every slot's cached keys and values (prompt + tokens but the last) under `params`, after a
   weight swap: tokens drawn under version v then come from exactly the policy v. The recorded routes become
-  the new forward's, the experts the cache (and every later token) now follows."""
+  the new forward's, the experts the cache (and every later token) now follows. A state with nothing cached
+  (the warm-up's) skips the forward."""
   S, P = st.prompt.shape
   N = st.tokens.shape[1]
-  i = jnp.arange(P + N)[None]
-  n = st.n_prompt[:, None]
-  seq = jnp.where(i < n, jnp.take_along_axis(st.prompt, jnp.clip(i, 0, P - 1), axis=1),
-                  jnp.take_along_axis(st.tokens, jnp.clip(i - n, 0, N - 1), axis=1))
   count = jnp.where(st.t > 0, st.n_prompt + st.t - 1, 0)
-  zero = jnp.zeros((S,), jnp.int32)
-  _, k, v, chosen = step_lib.forward(params, cfg, seq, zero, count)
-  st = st.replace(cache=layout.write(st.cache, jnp.arange(S), k, v, zero, count, st.n_prompt))
-  if st.routes is not None:
-    st = st.replace(routes=_put_routes(st.routes, jnp.arange(S), jnp.where(i < count[:, None], i, P + N), chosen))
-  return st
+
+  def forward(st):
+    i = jnp.arange(P + N)[None]
+    n = st.n_prompt[:, None]
+    seq = jnp.where(i < n, jnp.take_along_axis(st.prompt, jnp.clip(i, 0, P - 1), axis=1),
+                    jnp.take_along_axis(st.tokens, jnp.clip(i - n, 0, N - 1), axis=1))
+    zero = jnp.zeros((S,), jnp.int32)
+    _, k, v, chosen = step_lib.forward(params, cfg, seq, zero, count)
+    st = st.replace(cache=layout.write(st.cache, jnp.arange(S), k, v, zero, count, st.n_prompt))
+    if st.routes is not None:
+      st = st.replace(routes=_put_routes(st.routes, jnp.arange(S), jnp.where(i < count[:, None], i, P + N), chosen))
+    return st
+
+  return jax.lax.cond(jnp.any(count > 0), forward, lambda st: st, st)
 
 
 def cancel(st: SlotState, mask) -> SlotState:
