@@ -20,6 +20,7 @@ from rlax import models
 from rlax import envs
 from rlax import rewards
 from rlax import run as run_lib
+from rlax import teachers
 from rlax.algorithms import AlgorithmConfig
 from rlax.config import RunConfig
 from rlax.data import synthetic
@@ -248,6 +249,14 @@ def sampler(run: RunConfig, mesh, tok: Tokenizer) -> Sampler:
   return Sampler(run.model, mesh, max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
                  slots=slots(run, mesh), eos_id=tok.eos_ids, pad_id=tok.pad_id, decode_chunk=r.decode_chunk,
                  on_swap=r.on_swap)
+
+
+def teacher(run: RunConfig, mesh, tok: Tokenizer):
+  """A distilling run's teacher (rlax.teachers) on `mesh` in the policy's compute dtype, its tokenizer checked
+  against the policy's; None for any other run."""
+  if not run.algorithm.distills:
+    return None
+  return teachers.Teacher.load(run.teacher, mesh=mesh, student_tokenizer=tok, dtype=run.model.dtype)
 
 
 def sampling_method(run: RunConfig) -> SamplingMethod:

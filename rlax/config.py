@@ -7,10 +7,10 @@ reads it, with its defaults and a `validate()` of its own fields; this module co
 rules that span sections. It is the only module that sees a ConfigDict; library code reads `RunConfig`. A
 field that no code reads does not exist, and an unknown field in the ConfigDict is an error naming it.
 
-Where each section lives: init, optimizer: rlax.trainer.config; rollout: rlax.rollout.config; controller,
-eval, checkpoint, faults: rlax.runtime.config; data: rlax.data.config; reward: rlax.rewards.config; env:
-rlax.envs.config; plan: rlax.planning_config; topology: rlax.topology; algorithm: rlax.algorithms.registry;
-model: rlax.models (model.lora: rlax.models.lora).
+Where each section lives: init, optimizer: rlax.trainer.config; rollout: rlax.rollout.config; controller, eval,
+checkpoint, faults: rlax.runtime.config; data: rlax.data.config; reward: rlax.rewards.config; env: rlax.envs.config;
+teacher: rlax.teachers.config; plan: rlax.planning_config; topology: rlax.topology; algorithm:
+rlax.algorithms.registry; model: rlax.models (model.lora: rlax.models.lora).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from rlax.rewards.config import RewardConfig
 from rlax.rollout.config import RolloutConfig
 # RECOVERY_PHASES and the parse_* functions are re-exported: callers import them from here.
 from rlax.runtime.config import (RECOVERY_PHASES, CheckpointConfig, ControllerConfig, EvalConfig, FaultsConfig,
-                                 parse_recovery_kills, parse_schedule)
+                                 check_workdir, parse_recovery_kills, parse_schedule)
+from rlax.teachers.config import TeacherConfig
 from rlax.topology import TopologyConfig
 from rlax.trainer.config import InitConfig, OptimizerSection
 
@@ -59,6 +60,7 @@ class RunConfig:
   checkpoint: CheckpointConfig
   faults: FaultsConfig
   plan: Optional[PlanConfig] = None
+  teacher: TeacherConfig = TeacherConfig()
   lora: LoraConfig = LoraConfig()  # model.lora: low-rank adapters (rank 0: every weight trains)
 
   def replace(self, **kw) -> "RunConfig":
@@ -69,7 +71,7 @@ class RunConfig:
 # Sections whose ConfigDict node holds exactly their dataclass's fields.
 _SECTIONS = {"init": InitConfig, "optimizer": OptimizerSection, "rollout": RolloutConfig,
              "controller": ControllerConfig, "data": DataConfig, "reward": RewardConfig, "eval": EvalConfig,
-             "env": EnvConfig, "checkpoint": CheckpointConfig, "plan": PlanConfig}
+             "env": EnvConfig, "checkpoint": CheckpointConfig, "teacher": TeacherConfig, "plan": PlanConfig}
 _TOP = ("seed", "workdir", "deterministic", "model", "topology", "algorithm", "faults", *_SECTIONS)
 _RUN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.default is not dataclasses.MISSING}
 
@@ -179,7 +181,7 @@ def load(cd: Any) -> RunConfig:
   default = defaults()
   preset, model_cfg, hf_dir, lora = _model(top.get("model"), default["model"])
   sections = {k: _section(cls, top.get(k), k) for k, cls in _SECTIONS.items() if k != "plan"}
-  sections["data"] = sections["data"].absolute()
+  sections["data"], sections["teacher"] = sections["data"].absolute(), sections["teacher"].absolute()
   run = RunConfig(
       seed=_coerce(top.get("seed", default["seed"]), int, "seed"),
       workdir=os.path.abspath(os.path.expanduser(workdir)),  # orbax refuses relative paths
@@ -196,7 +198,7 @@ def load(cd: Any) -> RunConfig:
 def validate(run: RunConfig) -> None:
   """Each section's own rules, then the rules across sections; raises ValueError naming the fields."""
   for section in (run.controller, run.rollout, run.optimizer, run.eval, run.init, run.checkpoint, run.reward,
-                  run.data, run.env, run.faults, run.lora, *([run.plan] if run.plan else [])):
+                  run.data, run.env, run.faults, run.lora, run.teacher, *([run.plan] if run.plan else [])):
     section.validate()
   if run.env.name:
     env_registry.get(run.env.name)  # a registered environment or an importable "module:Class"
@@ -229,23 +231,13 @@ def validate(run: RunConfig) -> None:
        "weights to inf/NaN; keep master weights in float32 or bfloat16 (dtype='float16' compute is fine)"),
       (not (run.lora.enabled and run.init.sft_steps),
        "model.lora: a warm start (init.sft_steps) with adapters is not supported yet"),
+      (algo.distills == bool(run.teacher.hf_checkpoint), f"algorithm.distill_coef={algo.distill_coef} and "
+       f"teacher.hf_checkpoint={run.teacher.hf_checkpoint!r}: a distilling run needs a teacher, and only it"),
   ]
   for ok, msg in checks:
     if not ok:
       raise ValueError(msg)
-  _check_workdir(run.workdir)
-
-
-def _check_workdir(path: str) -> None:
-  """The workdir, or the nearest existing directory above it, must be a writable directory: else the run
-  would fail only when it first writes a log or checkpoint."""
-  probe = path
-  while not os.path.exists(probe):
-    probe = os.path.dirname(probe)
-  if not os.path.isdir(probe):
-    raise ValueError(f"workdir={path!r}: {probe!r} exists and is not a directory")
-  if not os.access(probe, os.W_OK | os.X_OK):
-    raise ValueError(f"workdir={path!r}: {probe!r} is not writable")
+  check_workdir(run.workdir)
 
 
 def to_dict(run: RunConfig) -> dict[str, Any]:

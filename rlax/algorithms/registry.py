@@ -5,7 +5,7 @@
     adv = algo.advantages(rewards, group_size=8)      # [B]
     loss_tok, info = algo.token_loss(logp, old_logp, adv, mask)
 
-Known names: grpo, dr_grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, gspo, cispo, ppo.
+Known names: grpo, dr_grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, gspo, cispo, ppo, distill.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ class AlgorithmConfig:
   PPO's value model (has_value_model): GAE(gamma, lam) over token rewards, clipped value loss
     (value_clip); its own AdamW at critic_lr; initialized from the starting policy ("policy") or a HF
     directory of the policy's architecture ("hf:<dir>"); the first value_warmup_steps steps train only it.
+  distill_coef: on-policy distillation, the per-token reverse KL to a teacher as an advantage
+    (rlax.algorithms.distill; batches carry the teacher's log-probs), added to reward_coef x the estimator's
+    advantage of the task reward (0: distillation alone).
   """
   name: str = "grpo"
   advantage: str = "grpo"
@@ -68,6 +71,8 @@ class AlgorithmConfig:
   critic_lr: float = 1e-4
   critic_init: str = "policy"
   value_warmup_steps: int = 0
+  distill_coef: float = 0.0
+  reward_coef: float = 1.0
 
   def __post_init__(self):
     def one_of(field, options):
@@ -104,6 +109,12 @@ class AlgorithmConfig:
       raise ValueError(f"critic_init={self.critic_init!r}: use 'policy' or 'hf:<HF model directory>'")
     if self.has_value_model != (self.advantage == "gae"):
       raise ValueError(f"has_value_model={self.has_value_model} goes with advantage='gae' (PPO) only")
+    if self.distill_coef < 0 or self.reward_coef < 0 or not (self.distill_coef or self.reward_coef):
+      raise ValueError(f"distill_coef={self.distill_coef} and reward_coef={self.reward_coef} must be >= 0, "
+                       "not both 0")
+    if self.distill_coef and (self.has_value_model or self.policy_loss == "gspo"):
+      raise ValueError(f"distill_coef={self.distill_coef} gives per-token advantages: not with "
+                       f"{'a value model' if self.has_value_model else 'GSPO'}")
     if self.max_len is not None and self.max_len <= 0:
       raise ValueError(f"max_len={self.max_len} must be positive")
 
@@ -111,6 +122,12 @@ class AlgorithmConfig:
   def needs_groups(self) -> bool:
     """Whether the advantage normalizes within a prompt's group: then rollout.samples_per_prompt >= 2."""
     return self.advantage in GROUP_ESTIMATORS
+
+  @property
+  def distills(self) -> bool:
+    """Whether batches carry a teacher's log-probs (RolloutBatch.teacher_logprobs): the trainer then adds the
+    reverse-KL advantage, and the run scores its rollouts with the teacher (rlax.teachers)."""
+    return self.distill_coef > 0
 
   @property
   def zero_advantage_inert(self) -> bool:
@@ -124,7 +141,7 @@ class AlgorithmConfig:
     """Whether a group whose rewards all tie trains nothing: a group-relative estimator gives it advantage 0
     (unless a KL shapes the rewards) and `zero_advantage_inert`. The step lays such groups out in micro-batches
     of their own (rlax.runtime.step), which the trainer then skips."""
-    shaped = self.kl_coef > 0 and self.kl_in_reward
+    shaped = (self.kl_coef > 0 and self.kl_in_reward) or self.distills  # a teacher scores tokens of tied groups
     return self.zero_advantage_inert and self.advantage in GROUP_ESTIMATORS and not shaped
 
   def replace(self, **kw) -> "AlgorithmConfig":
@@ -183,6 +200,8 @@ _DEFAULTS = {
                  eps_high=4e-4),
     "cispo": dict(advantage="grpo", policy_loss="cispo", loss_agg="token_mean", eps_low=1.0, eps_high=0.28),
     "ppo": dict(advantage="gae", policy_loss="ppo", loss_agg="token_mean", has_value_model=True),
+    # On-policy distillation: the teacher's per-token reverse KL alone, token-level aggregation.
+    "distill": dict(advantage="grpo", policy_loss="ppo", loss_agg="token_mean", distill_coef=1.0, reward_coef=0.0),
 }
 
 

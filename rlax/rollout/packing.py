@@ -223,8 +223,9 @@ def pack_tokens(batch: RolloutBatch, row_len: int | PackedShape, *, share_prompt
   forks = np.zeros(tok.shape, np.int32) if batch.forks is None else np.asarray(batch.forks)
   blp = np.asarray(batch.behaviour_logprobs, np.float32)
   per_tok = {"loss_mask": lm, "behaviour_logprobs": blp}
-  if batch.ref_logprobs is not None:
-    per_tok["ref_logprobs"] = np.asarray(batch.ref_logprobs, np.float32)
+  for name in ("ref_logprobs", "teacher_logprobs"):
+    if getattr(batch, name) is not None:
+      per_tok[name] = np.asarray(getattr(batch, name), np.float32)
   adv = None if batch.advantages is None else np.asarray(batch.advantages, np.float32)
   if adv is not None and adv.ndim == 2:
     per_tok["advantages"] = adv
@@ -363,12 +364,14 @@ def concat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
 
 
 def empty_batch(batch: int, prompt_len: int, new_tokens: int, forks: bool = False,
-                routes: tuple[int, int] | None = None) -> RolloutBatch:
+                routes: tuple[int, int] | None = None, teacher: bool = False) -> RolloutBatch:
   """An all-zero numpy RolloutBatch of the static shape `pack` produces (a checkpoint restore template);
-  forks: with the field episodes fill; routes: (layers, top_k) of a model that replays them."""
+  forks: with the field episodes fill; routes: (layers, top_k) of a model that replays them; teacher: with a
+  teacher's log-probs (a distilling run's)."""
   T = prompt_len + new_tokens
   z = lambda *s, d=np.float32: np.zeros(s, d)
   return RolloutBatch(tokens=z(batch, T, d=np.int32), input_mask=z(batch, T, d=bool), loss_mask=z(batch, T - 1),
                       behaviour_logprobs=z(batch, T - 1), rewards=z(batch), versions=z(batch, d=np.int32),
                       group_ids=z(batch, d=np.int32), forks=z(batch, T, d=np.int32) if forks else None,
-                      routes=z(batch, T, *routes, d=np.uint8) if routes else None, prompt_len=prompt_len)
+                      routes=z(batch, T, *routes, d=np.uint8) if routes else None, prompt_len=prompt_len,
+                      teacher_logprobs=z(batch, T - 1) if teacher else None)

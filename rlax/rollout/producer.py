@@ -58,16 +58,17 @@ class RolloutProducer:
   slices are lost (failover). `rollout` is the run's RolloutConfig; `max_staleness` k. `episodes(stream,
   sync, keys)`: wraps a sampler stream in an episode stream (`rlax.builders.episodes`: the configured
   environment's, rewards from it); None: one-turn episodes graded with `reward_fn` (`envs.single_turn_episodes`).
+  `teacher`: a distilling run's rlax.teachers.Teacher, which scores each batch here, in the rollout path.
   """
 
   def __init__(self, *, sampler, weights, data, render, reward_fn, grade, method, rollout, max_staleness: int,
                deterministic: bool, dynamic_sampling: bool, seed: int, sink: Callable[[Rollout], Any],
                ensure_alive: Callable[[Any], None] = lambda mesh: None, stale_policy: str = "drop",
-               episodes: Optional[Callable[..., Any]] = None):
+               episodes: Optional[Callable[..., Any]] = None, teacher=None):
     self.sampler, self.weights, self.data, self.render = sampler, weights, data, render
     self.reward_fn, self.grade, self.method, self.r = reward_fn, grade, method, rollout
     self.k, self.deterministic, self.dynamic, self.seed = max_staleness, deterministic, dynamic_sampling, seed
-    self.sink, self.ensure_alive, self.stale_policy = sink, ensure_alive, stale_policy
+    self.sink, self.ensure_alive, self.stale_policy, self.teacher = sink, ensure_alive, stale_policy, teacher
     self.episodes = episodes or envs.single_turn_episodes(render, reward_fn, grade)
     self.error: Optional[BaseException] = None
     self._thread: Optional[threading.Thread] = None
@@ -232,6 +233,10 @@ class RolloutProducer:
         self._drawn, self._seq, self._carry = {}, 0, []
       t0 = time.perf_counter()
       batch, (lens, truncated, sources), stats = self._stream_batch(stream, s) if stream else self.batch(s)
+      if self.teacher is not None:  # the sampler's thread, so the trainer does not wait on it
+        t1 = time.perf_counter()
+        batch = batch.replace(teacher_logprobs=self.teacher.logprobs(batch))
+        stats["teacher_s"] = time.perf_counter() - t1
       rw = np.asarray(batch.rewards)
       stats.update(rollout_stats.rollout_stats(lens, truncated, rw, sources))
       stats.update(reward=float(rw.mean()), pass_rate=float((rw > 0.5).mean()), response_len=float(lens.mean()),

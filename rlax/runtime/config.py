@@ -6,6 +6,7 @@ No runtime module is imported here: rlax.config composes these sections and the 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 
 def _check(checks) -> None:
@@ -142,3 +143,15 @@ class FaultsConfig:
     schedule = lambda pairs: ",".join(f"{sl}:{st}" for sl, st in pairs)
     return dict(lose_slice_at=schedule(self.lose_slice_at), restore_slice_at=schedule(self.restore_slice_at),
                 kill_in_recovery=",".join(f"{phase}:{how.get(sig, sig)}" for phase, sig in self.kill_in_recovery))
+
+
+def check_workdir(path: str) -> None:
+  """The workdir, or the nearest existing directory above it, must be a writable directory: else the run
+  would fail only when it first writes a log or checkpoint (rlax.config.validate)."""
+  probe = path
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    raise ValueError(f"workdir={path!r}: {probe!r} exists and is not a directory")
+  if not os.access(probe, os.W_OK | os.X_OK):
+    raise ValueError(f"workdir={path!r}: {probe!r} is not writable")

@@ -38,6 +38,7 @@ class SamplerRole:
     self.episodes = builders.episodes(run, tokenizer, render, reward_fn, self.pool)
     self.episodes.check_prompts([*self.eval_records, *train_records[:64]])
     self.data = builders.record_iterator(run, train_records)
+    self.tokenizer, self._teacher = tokenizer, None
 
   def warm_up(self, parts) -> None:
     """Compiles the sampler's programs (every slot bucket and admission) before the first batch."""
@@ -59,6 +60,12 @@ class SamplerRole:
     self.roles.send_eval(tag, res)
     return res
 
+  def teacher(self, parts):
+    """A distilling run's teacher, beside the sampler (teacher.placement="sampler"): loaded once per sampler mesh."""
+    if self.run.algorithm.distills and (self._teacher is None or self._teacher.mesh is not parts.sampler.mesh):
+      self._teacher = builders.teacher(self.run, parts.sampler.mesh, self.tokenizer)
+    return self._teacher
+
   def producer(self, parts, sink: Callable) -> RolloutProducer:
     run = self.run
     return RolloutProducer(sampler=parts.sampler, weights=parts.weights, data=self.data, render=self.render,
@@ -66,7 +73,8 @@ class SamplerRole:
                            rollout=run.rollout, max_staleness=run.controller.max_staleness,
                            deterministic=run.deterministic, dynamic_sampling=run.controller.dynamic_sampling,
                            seed=run.seed, sink=sink, ensure_alive=self.ensure_alive,
-                           stale_policy=run.controller.stale_policy, episodes=self.episodes)
+                           stale_policy=run.controller.stale_policy, episodes=self.episodes,
+                           teacher=self.teacher(parts))
 
   def serve(self, parts) -> None:
     """The sampler process of a multi-process job: produce every batch the trainer process asks for, and

@@ -27,7 +27,8 @@ _DTYPES = {"tokens": jnp.int32, "input_mask": jnp.bool_, "loss_mask": jnp.float3
            "behaviour_logprobs": jnp.float32, "rewards": jnp.float32, "versions": jnp.int32,
            "group_ids": jnp.int32, "ref_logprobs": jnp.float32, "advantages": jnp.float32,
            "positions": jnp.int32, "segment_ids": jnp.int32, "parents": jnp.int32, "score_index": jnp.int32,
-           "targets": jnp.int32, "seq": jnp.int32, "forks": jnp.int32, "routes": jnp.uint8}
+           "targets": jnp.int32, "seq": jnp.int32, "forks": jnp.int32, "routes": jnp.uint8,
+           "teacher_logprobs": jnp.float32}
 
 
 def _check_dtype(kind: str, name: str, x) -> None:
@@ -36,11 +37,12 @@ def _check_dtype(kind: str, name: str, x) -> None:
 
 
 def _check_fields(batch, want: dict, per_slot: tuple, seqs: int, suffix: str = "") -> None:
-  """Shapes and dtypes of `want`'s fields, of ref_logprobs (per slot), of routes (per token: [rows, length, L, k])
-  and of advantages ([seqs] or per slot)."""
+  """Shapes and dtypes of `want`'s fields, of ref_logprobs and teacher_logprobs (per slot), of routes (per token:
+  [rows, length, L, k]) and of advantages ([seqs] or per slot)."""
   kind = type(batch).__name__
-  if batch.ref_logprobs is not None:
-    want = {**want, "ref_logprobs": per_slot}
+  for name in ("ref_logprobs", "teacher_logprobs"):
+    if getattr(batch, name) is not None:
+      want = {**want, name: per_slot}
   if batch.routes is not None:
     if batch.routes.ndim != 4:
       raise ValueError(f"{kind}.routes must be [rows, length, layers, top_k], got shape {batch.routes.shape}")
@@ -74,7 +76,9 @@ class RolloutBatch:
   the prompt, 2 alone); such a batch trains packed (rlax.rollout.packing).
   routes [B,T,L,k] uint8 or None: the experts the sampler sent each token to
   in each layer, which the trainer's forwards replay (rlax.models.moe;
-  NO_ROUTE: route afresh).
+  NO_ROUTE: route afresh). teacher_logprobs [B,T-1] or None: a teacher's
+  log-probs of the sampled tokens, on loss_mask slots (on-policy distillation,
+  rlax.teachers; 0 elsewhere).
   """
   tokens: jax.Array
   input_mask: jax.Array
@@ -87,6 +91,7 @@ class RolloutBatch:
   advantages: Optional[jax.Array] = None
   forks: Optional[jax.Array] = None
   routes: Optional[jax.Array] = None
+  teacher_logprobs: Optional[jax.Array] = None
   prompt_len: int = flax.struct.field(pytree_node=False, default=0)
 
   @property
@@ -95,7 +100,7 @@ class RolloutBatch:
 
   @classmethod
   def abstract(cls, rows: int, seq: int, *, with_ref: bool = False, prompt_len: int = 0,
-               routes: Optional[tuple[int, int]] = None) -> "RolloutBatch":
+               routes: Optional[tuple[int, int]] = None, with_teacher: bool = False) -> "RolloutBatch":
     """A batch of unsharded ShapeDtypeStructs: tokens [rows, seq] and the rest as in the class doc; routes:
     (layers, top_k) of a model that replays them (rlax.models.moe.replayed_routes), else None."""
     s = lambda name, *shape: jax.ShapeDtypeStruct(shape, _DTYPES[name])
@@ -103,7 +108,8 @@ class RolloutBatch:
                loss_mask=s("loss_mask", rows, seq - 1), behaviour_logprobs=s("behaviour_logprobs", rows, seq - 1),
                rewards=s("rewards", rows), versions=s("versions", rows), group_ids=s("group_ids", rows),
                ref_logprobs=s("ref_logprobs", rows, seq - 1) if with_ref else None,
-               routes=s("routes", rows, seq, *routes) if routes else None, prompt_len=prompt_len)
+               routes=s("routes", rows, seq, *routes) if routes else None, prompt_len=prompt_len,
+               teacher_logprobs=s("teacher_logprobs", rows, seq - 1) if with_teacher else None)
 
   def check(self, group_size: Optional[int] = None) -> "RolloutBatch":
     """Raises ValueError naming the first field whose shape, dtype or prompt masking is wrong; returns self.
@@ -140,7 +146,7 @@ class PackedBatch:
   responses of one group; 0 for none). Token t attends to tokens s <= t of its segment or its parent's.
   Scored slots [R, K]: score_index (the row position whose hidden state predicts the slot's token),
   targets (that token), seq (the sequence 0..B-1 of the slot; B on padding), loss_mask,
-  behaviour_logprobs, ref_logprobs (or None). Per sequence [B]: rewards, versions, group_ids (prompt-major
+  behaviour_logprobs, ref_logprobs and teacher_logprobs (or None). Per sequence [B]: rewards, versions, group_ids (prompt-major
   as in RolloutBatch); advantages [B], [R, K] or None. routes [R, L, layers, k] or None: each row token's
   replayed experts (RolloutBatch.routes). max_len (static): the response budget (T - prompt length of the
   padded batch), Dr. GRPO's default normalizer.
@@ -160,6 +166,7 @@ class PackedBatch:
   ref_logprobs: Optional[jax.Array] = None
   advantages: Optional[jax.Array] = None
   routes: Optional[jax.Array] = None
+  teacher_logprobs: Optional[jax.Array] = None
   max_len: int = flax.struct.field(pytree_node=False, default=1)
 
   @property
@@ -169,7 +176,8 @@ class PackedBatch:
 
   @classmethod
   def abstract(cls, rows: int, length: int, slots: int, seqs: int, *, with_ref: bool = False,
-               max_len: int = 1, routes: Optional[tuple[int, int]] = None) -> "PackedBatch":
+               max_len: int = 1, routes: Optional[tuple[int, int]] = None, with_teacher: bool = False
+               ) -> "PackedBatch":
     """ShapeDtypeStructs of a batch of `rows` x `length` tokens, `slots` scored slots a row, `seqs` sequences;
     routes as in `RolloutBatch.abstract`."""
     s = lambda name, *shape: jax.ShapeDtypeStruct(shape, _DTYPES[name])
@@ -177,7 +185,8 @@ class PackedBatch:
     slot = {n: s(n, rows, slots) for n in ("score_index", "targets", "seq", "loss_mask", "behaviour_logprobs")}
     return cls(**row, **slot, rewards=s("rewards", seqs), versions=s("versions", seqs),
                group_ids=s("group_ids", seqs), ref_logprobs=s("ref_logprobs", rows, slots) if with_ref else None,
-               routes=s("routes", rows, length, *routes) if routes else None, max_len=max_len)
+               routes=s("routes", rows, length, *routes) if routes else None, max_len=max_len,
+               teacher_logprobs=s("teacher_logprobs", rows, slots) if with_teacher else None)
 
   def check(self, group_size: Optional[int] = None) -> "PackedBatch":
     """Raises ValueError naming the first field whose shape or dtype is wrong; returns self."""

@@ -37,14 +37,34 @@ def kl_reward_old_logprobs(algo: algorithms.AlgorithmConfig) -> bool:
 def batch_advantages(algo: algorithms.AlgorithmConfig, batch: RolloutBatch | PackedBatch, group_size: int,
                      old_logprobs: Optional[jax.Array] = None) -> jax.Array:
   """The batch's advantages if given, else the estimator's on (optionally KL-shaped) rewards; [B] or per slot.
+  A distilling algorithm adds the teacher's per-token reverse-KL advantage (rlax.algorithms.distill) to
+  reward_coef x those: per slot.
 
   old_logprobs (per slot): the old policy's log-probs, needed for kl_in_reward when old_policy="recompute"
   (with "behaviour" the sampler's are the old policy's).
   """
-  layout = layouts.of(batch)
-  seg = layout.segments(layout.inputs(batch))
   if batch.advantages is not None:
     return batch.advantages.astype(jnp.float32)
+  if not algo.distills:
+    return _task_advantages(algo, batch, group_size, old_logprobs)
+  if batch.teacher_logprobs is None:
+    raise ValueError(f"{algo.name} has distill_coef={algo.distill_coef}: fill batch.teacher_logprobs (rlax.teachers)")
+  adv = algorithms.reverse_kl_advantages(batch.behaviour_logprobs, batch.teacher_logprobs, batch.loss_mask,
+                                         algo.distill_coef)
+  if not algo.reward_coef:
+    return adv
+  task = _task_advantages(algo, batch, group_size, old_logprobs)
+  if task.ndim == 1:  # a sequence's advantage on each of its slots
+    layout = layouts.of(batch)
+    task = layout.segments(layout.inputs(batch)).spread(task, batch.loss_mask)
+  return adv + algo.reward_coef * task
+
+
+def _task_advantages(algo: algorithms.AlgorithmConfig, batch: RolloutBatch | PackedBatch, group_size: int,
+                     old_logprobs: Optional[jax.Array]) -> jax.Array:
+  """The estimator's advantages of the (optionally KL-shaped) rewards; [B] or per slot."""
+  layout = layouts.of(batch)
+  seg = layout.segments(layout.inputs(batch))
   rewards = batch.rewards
   if algo.kl_coef > 0 and algo.kl_in_reward:
     if batch.ref_logprobs is None:

@@ -160,13 +160,15 @@ class Trainer:
   def abstract_batch(self, rows: int, seq: int, *, with_ref: bool, prompt_len: int = 0) -> RolloutBatch:
     """RolloutBatch of ShapeDtypeStructs (tokens [rows, seq]) laid out as `place` lays a real batch out."""
     return self._as_placed(RolloutBatch.abstract(rows, seq, with_ref=with_ref, prompt_len=prompt_len,
-                                                 routes=moe.replayed_routes(self.model_cfg)))
+                                                 routes=moe.replayed_routes(self.model_cfg),
+                                                 with_teacher=self.algo.distills))
 
   def abstract_packed(self, rows: int, length: int, slots: int, seqs: int, *, with_ref: bool,
                       max_len: int = 1) -> PackedBatch:
     """PackedBatch of ShapeDtypeStructs (rows x length tokens, slots scored slots a row) as `place` lays it out."""
     return self._as_placed(PackedBatch.abstract(rows, length, slots, seqs, with_ref=with_ref, max_len=max_len,
-                                                routes=moe.replayed_routes(self.model_cfg)))
+                                                routes=moe.replayed_routes(self.model_cfg),
+                                                with_teacher=self.algo.distills))
 
   def place(self, batch):
     """The batch on the trainer mesh in ONE `jax.device_put` (rows sharded as `batch_sharding` says).
@@ -345,6 +347,9 @@ class Trainer:
                                                 active=functools.partial(rl.contributes, self.algo, self.model_cfg))
     new_state, grad_norm = apply_gradients(self.tx, state, grads, loss)
     metrics = rl.reduce_metrics(stacked, loss, grad_norm, self._lr(state.step))
+    if self.algo.distills:
+      metrics["teacher_kl"] = algorithms.mean_reverse_kl(batch.behaviour_logprobs, batch.teacher_logprobs,
+                                                         inputs.loss_mask)
     ok = update_is_finite(loss, grad_norm)
     if ppo:
       new_state, critic_metrics = critic_lib.update(self, state, new_state, batch, targets)

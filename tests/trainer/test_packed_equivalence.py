@@ -43,9 +43,10 @@ def mixed_batch(params, *, shared: bool, seed: int = 0) -> RolloutBatch:
   behaviour = (lp + 0.3 * rng.normal(size=lp.shape)).astype(np.float32) * lm
   ref = (lp + 0.2 * rng.normal(size=lp.shape)).astype(np.float32) * lm
   rewards = rng.normal(size=B).astype(np.float32)
+  teacher = (lp + 0.4 * rng.normal(size=lp.shape)).astype(np.float32) * lm  # read by distilling algorithms only
   return RolloutBatch(tokens=tokens, input_mask=mask, loss_mask=lm, behaviour_logprobs=behaviour,
                       rewards=rewards, versions=np.zeros(B, np.int32), group_ids=(np.arange(B) // G).astype(np.int32),
-                      ref_logprobs=ref, prompt_len=P)
+                      ref_logprobs=ref, prompt_len=P, teacher_logprobs=teacher)
 
 
 def _algorithms():
@@ -53,7 +54,8 @@ def _algorithms():
   out += [("grpo", dict(off_policy="tis_seq", entropy_coef=0.01)), ("dapo", dict(off_policy="mis_seq", is_cap=1.2)),
           ("reinforce_pp", dict(kl_coef=0.1, kl_in_reward=True)), ("grpo", dict(kl_coef=0.1, kl_in_reward=True)),
           ("ppo", dict(kl_coef=0.05, kl_in_reward=True)), ("gspo", dict(old_policy="behaviour")),
-          ("dr_grpo", dict(off_policy="tis_token"))]
+          ("dr_grpo", dict(off_policy="tis_token")), ("distill", dict(reward_coef=0.5, off_policy="tis_token")),
+          ("grpo", dict(distill_coef=0.3))]
   return out
 
 
@@ -169,12 +171,13 @@ def _with_appended_garbage(params):
   lm[0, P - 1 + 1:P - 1 + 3] = 0.0  # a two-token environment turn between two sampled turns
   lm[5, P - 1 + 2] = 0.0
   clean = clean.replace(loss_mask=lm, behaviour_logprobs=clean.behaviour_logprobs * lm,
-                         ref_logprobs=clean.ref_logprobs * lm)
+                         ref_logprobs=clean.ref_logprobs * lm, teacher_logprobs=clean.teacher_logprobs * lm)
   appended = (lm == 0) & clean.input_mask[:, 1:]
   appended[:, :P - 1] = False
   assert appended.sum() == 4
   dirty = clean.replace(behaviour_logprobs=np.where(appended, 37.5, clean.behaviour_logprobs),
-                         ref_logprobs=np.where(appended, -1e3, clean.ref_logprobs))
+                         ref_logprobs=np.where(appended, -1e3, clean.ref_logprobs),
+                         teacher_logprobs=np.where(appended, 55.0, clean.teacher_logprobs))
   return clean, dirty
 
 
@@ -196,11 +199,12 @@ def _split_pair(params, seed=0):
   lp = np.asarray(jax.jit(lambda p, t, m: M.token_logprobs(p, CFG, t, input_mask=m))(params, one, mask))
   behaviour = (lp + 0.3 * rng.normal(size=lp.shape)).astype(np.float32) * lm
   ref = (lp + 0.2 * rng.normal(size=lp.shape)).astype(np.float32) * lm
+  teacher = (lp + 0.4 * rng.normal(size=lp.shape)).astype(np.float32) * lm
   base = dict(rewards=rng.normal(size=B).astype(np.float32), versions=np.zeros(B, np.int32),
               group_ids=(np.arange(B) // G).astype(np.int32), prompt_len=P)
   unsplit = RolloutBatch(tokens=one, input_mask=mask, loss_mask=lm, behaviour_logprobs=behaviour,
-                         ref_logprobs=ref, **base)
-  toks, smask, slm, sb, sr = (np.zeros_like(a) for a in (one, mask, lm, behaviour, ref))
+                         ref_logprobs=ref, teacher_logprobs=teacher, **base)
+  toks, smask, slm, sb, sr, st = (np.zeros_like(a) for a in (one, mask, lm, behaviour, ref, teacher))
   forks = np.zeros_like(one)
   for b in range(B):
     x = np.concatenate([r1[b], env[b]]) if b < 4 else np.concatenate([prompt[b], r1[b], env[b]])
@@ -210,8 +214,9 @@ def _split_pair(params, seed=0):
     forks[b, P + 2] = 1 if b < 4 else 2
     for src, dst in ((0, 0), (1, 1), (3, 2 + len(x)), (4, 3 + len(x))):  # sampled tokens' slots
       slm[b, P - 1 + dst], sb[b, P - 1 + dst], sr[b, P - 1 + dst] = 1.0, behaviour[b, P - 1 + src], ref[b, P - 1 + src]
+      st[b, P - 1 + dst] = teacher[b, P - 1 + src]
   split = RolloutBatch(tokens=toks, input_mask=smask, loss_mask=slm, behaviour_logprobs=sb, ref_logprobs=sr,
-                       forks=forks, **base)
+                       teacher_logprobs=st, forks=forks, **base)
   return unsplit, split
 
 

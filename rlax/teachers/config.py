@@ -1,0 +1,33 @@
+"""The `teacher` config section: the frozen model that scores a distilling run's rollouts."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+PLACEMENTS = ("sampler",)
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherConfig:
+  """teacher.hf_checkpoint: an HF model directory (an rlax export is one) whose log-probs of every sampled token
+  drive `algorithm.distill_coef`; "" = none. placement: the devices it runs on ("sampler": beside the sampler,
+  between its batches). temperature: the teacher's softmax temperature. chunk: positions per log-softmax chunk."""
+  hf_checkpoint: str = ""
+  placement: str = "sampler"
+  temperature: float = 1.0
+  chunk: int = 256
+
+  def validate(self) -> "TeacherConfig":
+    if self.placement not in PLACEMENTS:
+      raise ValueError(f"teacher.placement={self.placement!r}: expected one of {list(PLACEMENTS)}")
+    if self.temperature <= 0 or self.chunk < 1:
+      raise ValueError(f"teacher.temperature={self.temperature} must be > 0 and teacher.chunk={self.chunk} >= 1")
+    if self.hf_checkpoint and not os.path.isfile(os.path.join(self.hf_checkpoint, "config.json")):
+      raise ValueError(f"teacher.hf_checkpoint={self.hf_checkpoint!r}: no config.json there (an HF model "
+                       "directory, e.g. a run's <workdir>/export, is needed)")
+    return self
+
+  def absolute(self) -> "TeacherConfig":
+    path = self.hf_checkpoint and os.path.abspath(os.path.expanduser(self.hf_checkpoint))
+    return dataclasses.replace(self, hf_checkpoint=path)

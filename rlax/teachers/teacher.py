@@ -1,0 +1,81 @@
+"""A teacher: a frozen model that scores rollouts with its log-probs of the sampled tokens.
+
+    teacher = Teacher.load(run.teacher, mesh=sampler_mesh, student_tokenizer=tok)
+    batch = batch.replace(teacher_logprobs=teacher.logprobs(batch))      # host RolloutBatch -> [B, T-1]
+
+The same loader, sharding rules and forward as the policy (`rlax.models.hf.load_checkpoint`,
+`rlax.trainer.layouts`); one compiled program per batch shape. It scores in the rollout path (the producer's
+thread), so the trainer never waits on it while the queue holds a batch. Only scored slots (`loss_mask`) keep a
+value: prompt and appended (environment) tokens get 0, whatever the row holds there.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+
+import jax
+import numpy as np
+
+from rlax import models
+from rlax.models import hf
+from rlax.teachers.config import TeacherConfig
+from rlax.trainer import layouts
+from rlax.trainer.batch import RolloutBatch
+
+
+def check_tokenizers(student, teacher_dir: str) -> None:
+  """Raises one ValueError when the teacher's tokenizer maps text to other ids than the student's: its
+  log-probs would score other tokens."""
+  teacher = hf.load_tokenizer(teacher_dir)
+  a = student.backend.get_vocab(with_added_tokens=True)
+  b = teacher.backend.get_vocab(with_added_tokens=True)
+  if a != b:
+    diff = sorted(set(a.items()) ^ set(b.items()))[:3]
+    raise ValueError(f"teacher.hf_checkpoint={teacher_dir!r}: its tokenizer differs from the policy's ({len(a)} vs "
+                     f"{len(b)} tokens; e.g. {diff}); distillation needs the same token ids")
+
+
+class Teacher:
+  """Frozen params on `mesh` (None: the default device) and a compiled log-prob program per batch shape."""
+
+  def __init__(self, cfg: models.ModelConfig, params, mesh=None, *, temperature: float = 1.0, chunk: int = 256):
+    self.cfg, self.mesh, self.params = cfg, mesh, params
+    self.temperature, self.chunk = temperature, chunk
+    self.traces: collections.Counter = collections.Counter()
+    self.seconds = 0.0  # spent scoring, over the run
+    self._fn = jax.jit(self._logprobs, static_argnames="layout")
+
+  @classmethod
+  def load(cls, config: TeacherConfig, *, mesh=None, student_tokenizer=None, dtype=None) -> "Teacher":
+    """The teacher `config` names, on `mesh`; with `student_tokenizer`, its tokenizer checked against it first."""
+    if student_tokenizer is not None:
+      check_tokenizers(student_tokenizer, config.hf_checkpoint)
+    cfg, params = hf.load_checkpoint(config.hf_checkpoint, mesh=mesh, dtype=dtype)
+    return cls(cfg, params, mesh, temperature=config.temperature, chunk=config.chunk)
+
+  def _ctx(self):
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+  def _logprobs(self, params, x: dict, loss_mask, *, layout: layouts.Layout):
+    self.traces["teacher_logprobs"] += 1  # at trace time only
+    lp = layout.logprobs(params, self.cfg, x, chunk=self.chunk, temperature=self.temperature)
+    return jax.numpy.where(loss_mask > 0, lp, 0.0)
+
+  def logprobs(self, batch: RolloutBatch) -> np.ndarray:
+    """The teacher's log-probs [B, T-1] (float32, host) of a host RolloutBatch's tokens, 0 off `loss_mask`."""
+    if batch.forks is not None and np.any(np.asarray(batch.forks)):
+      raise ValueError("teacher: episodes split into rows (forks) are not scored yet; raise rollout.max_new_tokens "
+                       "so that each episode fits one row")
+    if int(np.max(np.asarray(batch.tokens))) >= self.cfg.vocab_size:
+      raise ValueError(f"teacher: a token id is past the teacher's vocabulary of {self.cfg.vocab_size}")
+    t0 = time.perf_counter()
+    layout = layouts.of(batch)
+    x = {k: np.asarray(v) for k, v in layout.inputs(batch).items()}
+    x.pop("routes", None)  # the policy's experts: a teacher routes afresh
+    with self._ctx():
+      out = np.asarray(jax.device_get(self._fn(self.params, x, np.asarray(batch.loss_mask, np.float32),
+                                               layout=layout)), np.float32)
+    self.seconds += time.perf_counter() - t0
+    return out

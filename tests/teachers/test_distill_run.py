@@ -1,0 +1,40 @@
+"""On-policy distillation end to end: a tiny random HF student and a teacher (the student with 3x its logits, the
+same tokenizer) scored beside the sampler, in the rollout path: its cost and the reverse KL in every metrics row,
+one teacher program, nothing compiled after the first step. (That the update descends the reverse KL is
+tests/teachers/test_teacher.py's.)"""
+
+from configs import base
+from harness import hf_models
+from rlax.data.records import Record, write_jsonl
+from rlax.runtime import Controller
+
+PROMPTS = ["what is two plus two?", "solve twelve plus thirty", "the cat sat on the mat", "hi"]
+
+
+def test_a_distilling_run_scores_every_batch_with_its_teacher(tmp_path):
+  hf_models.make_dir(tmp_path / "student", "llama", tie=False, seed=0)
+  hf_models.make_dir(tmp_path / "teacher", "llama", tie=False, seed=0)
+  sharp = hf_models.reload(tmp_path / "teacher")  # the student with 3x its logits: a sharper policy
+  sharp.lm_head.weight.data *= 3.0
+  sharp.save_pretrained(tmp_path / "teacher")
+  write_jsonl([Record(id=str(i), prompt=p, answer="four") for i, p in enumerate(PROMPTS)],
+              str(tmp_path / "train.jsonl"))
+  c = base.get_config()
+  c.workdir = str(tmp_path / "run")
+  c.model.hf_checkpoint = str(tmp_path / "student")
+  c.model.overrides = dict(dtype="float32")
+  c.topology.update(slice_size=1, trainer_slices=1, sampler_slices=1)
+  c.algorithm.name = "distill"
+  c.teacher.hf_checkpoint = str(tmp_path / "teacher")
+  c.rollout.update(prompts_per_step=2, samples_per_prompt=4, max_prompt_len=24, max_new_tokens=8)
+  c.controller.update(steps=3, max_staleness=1)
+  c.optimizer.update(lr=1e-3, warmup_steps=0)
+  c.data.update(train_files=str(tmp_path / "train.jsonl"), n_eval=2)
+  c.eval.n_samples = 2
+  ctl = Controller(c, progress=False, reward_fn=lambda text, record: (0.0, {}))
+  out = ctl.run()
+  assert out["steps"] == 3
+  rows = ctl.metrics.history
+  assert all(r["teacher_s"] > 0 and r["teacher_kl"] > 0 for r in rows)
+  assert all(r["compiles"] == 0 for r in rows[1:])
+  assert ctl.sampling.teacher(ctl.parts).traces["teacher_logprobs"] == 1

@@ -1,0 +1,148 @@
+"""A teacher's log-probs of the sampled tokens (against transformers), only on scored slots, the tokenizer check,
+and the distillation advantage they give the trainer (by hand, padded and packed alike)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from harness import hf_models
+from rlax import algorithms
+from rlax.teachers import Teacher, TeacherConfig
+from rlax.trainer import objective
+from rlax.trainer.batch import RolloutBatch, response_loss_mask
+
+
+def _batch(rng, B=4, P=5, N=6, vocab=67, appended=()):
+  """Rows of a left-padded prompt (lengths 3..P) and N response tokens; `appended` response slots are
+  environment tokens (not sampled: loss_mask 0)."""
+  T = P + N
+  tokens = rng.integers(3, vocab, size=(B, T)).astype(np.int32)
+  mask = np.ones((B, T), bool)
+  for b in range(B):
+    mask[b, :b % 3] = False  # left padding
+    tokens[b, :b % 3] = 0
+  lm = response_loss_mask(mask, P)
+  for j in appended:
+    lm[:, P - 1 + j] = 0.0
+  blp = np.where(lm > 0, -rng.uniform(0.1, 3.0, size=lm.shape), 0.0).astype(np.float32)
+  return RolloutBatch(tokens=tokens, input_mask=mask, loss_mask=lm, behaviour_logprobs=blp,
+                      rewards=rng.integers(0, 2, B).astype(np.float32), versions=np.zeros(B, np.int32),
+                      group_ids=np.repeat(np.arange(B // 2), 2).astype(np.int32), prompt_len=P)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+  d = tmp_path_factory.mktemp("teacher")
+  hf_models.make_dir(d, "llama", tie=False, seed=3)
+  return d
+
+
+def test_teacher_log_probs_match_transformers_on_scored_slots_only(teacher_dir):
+  teacher = Teacher.load(TeacherConfig(hf_checkpoint=str(teacher_dir)), dtype="float32")
+  batch = _batch(np.random.default_rng(0), appended=(2, 3))
+  got = teacher.logprobs(batch)
+  assert got.shape == batch.loss_mask.shape and got.dtype == np.float32
+  ref = hf_models.reload(teacher_dir)
+  for b in range(batch.batch_size):
+    start = int(np.argmax(batch.input_mask[b]))  # the row without its left padding, as transformers sees it
+    row = batch.tokens[b, start:]
+    logits = hf_models.logits(ref, row[None])[0].astype(np.float64)
+    lp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    want = np.zeros(batch.loss_mask.shape[1])
+    for t in range(start, batch.tokens.shape[1] - 1):
+      if batch.loss_mask[b, t]:
+        want[t] = lp[t - start, batch.tokens[b, t + 1]]
+    np.testing.assert_allclose(got[b], want, atol=2e-4)
+  assert np.all(got[batch.loss_mask == 0] == 0) and np.all(got[batch.loss_mask > 0] < 0)
+  again = teacher.logprobs(_batch(np.random.default_rng(1), appended=(2, 3)))
+  assert again.shape == got.shape and teacher.traces["teacher_logprobs"] == 1  # one program per batch shape
+
+
+def test_a_teacher_with_another_tokenizer_is_one_clear_error(tmp_path, teacher_dir):
+  from rlax.models import hf
+  student = tmp_path / "student"
+  hf_models.make_dir(student, "qwen2", tie=False)
+  with pytest.raises(ValueError, match="tokenizer differs from the policy's"):
+    Teacher.load(TeacherConfig(hf_checkpoint=str(teacher_dir)), student_tokenizer=hf.load_tokenizer(str(student)))
+  same = tmp_path / "same"
+  hf_models.make_dir(same, "llama", tie=True, seed=5)
+  Teacher.load(TeacherConfig(hf_checkpoint=str(teacher_dir)), student_tokenizer=hf.load_tokenizer(str(same)))
+
+
+def test_reverse_kl_advantage_by_hand():
+  blp = jnp.array([[-1.0, -2.0, -0.5]])
+  tlp = jnp.array([[-1.5, -1.0, -40.0]])
+  m = jnp.array([[1.0, 1.0, 0.0]])
+  np.testing.assert_allclose(algorithms.reverse_kl_advantages(blp, tlp, m, 2.0), [[-1.0, 2.0, 0.0]])
+  # A token the teacher finds impossible is clipped at 20 nats.
+  np.testing.assert_allclose(algorithms.reverse_kl_advantages(blp, tlp, jnp.ones((1, 3)), 1.0), [[-0.5, 1.0, -20.0]])
+  np.testing.assert_allclose(algorithms.mean_reverse_kl(blp, tlp, m), (0.5 - 1.0) / 2)
+
+
+@pytest.mark.parametrize("reward_coef", [0.0, 0.5])
+def test_distill_advantages_ignore_what_lies_off_the_sampled_tokens(reward_coef):
+  rng = np.random.default_rng(2)
+  batch = _batch(rng, appended=(1, 4))
+  tlp = np.where(batch.loss_mask > 0, -rng.uniform(0.1, 3.0, size=batch.loss_mask.shape), 0.0).astype(np.float32)
+  algo = algorithms.get_algorithm("distill", reward_coef=reward_coef)
+  adv = np.asarray(objective.batch_advantages(algo, batch.replace(teacher_logprobs=tlp), group_size=2))
+  task = np.asarray(algorithms.grpo_advantages(jnp.asarray(batch.rewards), 2))
+  want = np.where(batch.loss_mask > 0, -(batch.behaviour_logprobs - tlp) + reward_coef * task[:, None], 0.0)
+  np.testing.assert_allclose(adv * batch.loss_mask, want, rtol=1e-5, atol=1e-6)
+  # Garbage where nothing was sampled (prompt, appended tokens, padding) changes no scored advantage.
+  off = batch.loss_mask == 0
+  junk = batch.replace(teacher_logprobs=np.where(off, 1e3, tlp).astype(np.float32),
+                       behaviour_logprobs=np.where(off, -1e3, batch.behaviour_logprobs).astype(np.float32))
+  adv2 = np.asarray(objective.batch_advantages(algo, junk, group_size=2))
+  np.testing.assert_array_equal(adv2 * batch.loss_mask, adv * batch.loss_mask)
+  with pytest.raises(ValueError, match="fill batch.teacher_logprobs"):
+    objective.batch_advantages(algo, batch, group_size=2)
+
+
+def test_distill_config_rules():
+  assert not algorithms.get_algorithm("distill").tied_groups_inert  # a tied group still has a teacher signal
+  assert algorithms.get_algorithm("grpo", distill_coef=0.5).distills
+  with pytest.raises(ValueError, match="not both 0"):
+    algorithms.get_algorithm("distill", distill_coef=0.0)
+  with pytest.raises(ValueError, match="per-token advantages"):
+    algorithms.get_algorithm("gspo", distill_coef=1.0)
+
+
+def test_the_distillation_gradient_descends_the_exact_reverse_kl(tmp_path):
+  """The trainer's distillation gradient on 32 x 8 tokens sampled from the student points along the gradient of
+  the exact KL(student || teacher) summed over the vocabulary (a sign error would point against it). Teacher: the
+  student with 3x its logits."""
+  import jax
+  from rlax import models
+  from rlax.models import hf
+  from rlax.trainer import layouts, loss_inputs, rl_loss
+  hf_models.make_dir(tmp_path, "llama", tie=False, seed=0)
+  cfg, params = hf.load_checkpoint(str(tmp_path), dtype="float32")
+  logp = lambda p, toks, scale=1.0: jax.nn.log_softmax(models.forward(p, cfg, toks)[0] * scale, -1)
+  B, P, N = 32, 4, 8
+  toks = np.zeros((B, P + N), np.int32)
+  toks[:, :P] = np.random.default_rng(0).integers(3, cfg.vocab_size, (B, P))
+  key = jax.random.key(0)
+  for t in range(P, P + N):
+    key, k = jax.random.split(key)
+    toks[:, t] = np.asarray(jax.random.categorical(k, logp(params, toks)[:, t - 1]))
+  mask = np.ones_like(toks, bool)
+  lm = response_loss_mask(mask, P)
+  take = lambda lp: (np.asarray(jnp.take_along_axis(lp[:, :-1], toks[:, 1:, None], -1)[..., 0]) * lm).astype(np.float32)
+  batch = RolloutBatch(tokens=toks, input_mask=mask, loss_mask=lm, behaviour_logprobs=take(logp(params, toks)),
+                       rewards=np.zeros(B, np.float32), versions=np.zeros(B, np.int32),
+                       group_ids=np.arange(B, dtype=np.int32) // 4, prompt_len=P,
+                       teacher_logprobs=take(logp(params, toks, 3.0)))
+  algo = algorithms.get_algorithm("distill")
+  x = loss_inputs(algo, jax.tree.map(jnp.asarray, batch), 4)
+  surrogate = lambda p: rl_loss(p, cfg, algo, x, num_tokens=jnp.sum(x.loss_mask), num_seqs=B, num_rows=B,
+                                layout=layouts.of(batch))[0]
+  teacher = jax.lax.stop_gradient(logp(params, toks, 3.0)[:, P - 1:-1])
+
+  def exact(p):
+    s = logp(p, toks)[:, P - 1:-1]
+    return jnp.mean(jnp.sum(jnp.exp(s) * (s - teacher), -1))
+
+  flat = lambda g: jnp.concatenate([v.ravel() for v in jax.tree.leaves(g)])
+  g1, g2 = flat(jax.grad(surrogate)(params)), flat(jax.grad(exact)(params))
+  assert float(g1 @ g2 / jnp.linalg.norm(g1) / jnp.linalg.norm(g2)) > 0.25
