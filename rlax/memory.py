@@ -37,6 +37,7 @@ from rlax import builders
 from rlax import models
 from rlax import run as run_lib
 from rlax.config import RunConfig
+from rlax.models import hf
 from rlax.models import moe
 from rlax.models import sharding as shd
 from rlax.models import variation
@@ -61,7 +62,7 @@ _TIED_LOGIT_COPIES = 3
 _SAMPLING_COPIES = 4
 
 TRAINER_ITEMS = ("params", "opt_state", "grads", "ref_params", "critic", "batch", "activations", "logits")
-SAMPLER_ITEMS = ("weights", "spare_weights", "pristine_base", "kv_cache", "scratch")
+SAMPLER_ITEMS = ("weights", "spare_weights", "pristine_base", "kv_cache", "teacher", "scratch")
 HOST_ITEMS = ("runtime", "checkpoint")
 # The process itself: Python, JAX/XLA and the compiled programs, tokenizer and records (after the warm-up, free
 # pages returned; 1.35 GB measured on the SmolLM2 run).
@@ -237,8 +238,10 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   refill = layer_w + mem["transient"] + _layer_acts(cfg, b * S, S, tensor, isz, _INFER_PER_ELEM)
   tied_head = cfg.d_model * vocab * max(isz, dt.itemsize) if cfg.tie_embeddings else 0  # embed.T copy
   decode = layer_w + tied_head + sampling  # the fused per-layer weights live through the decode loop
-  scratch = max(prefill, refill, decode)
-  which = "decode" if scratch == decode else "refill" if scratch == refill else "prefill"
+  teacher, score = _teacher_bytes(run, mesh, isz)
+  scratch = max(prefill, refill, decode, score)
+  which = ("decode" if scratch == decode else "refill" if scratch == refill else "prefill" if scratch == prefill
+           else "the teacher's scoring")
   frozen = variation.of(cfg, run.lora).frozen_base  # pushes merge into the sampler's own copy of the base
   kind = "paged pool" if isinstance(layout, layouts.Paged) else "dense"
   slots_note = "rollout.slots = -1: as many as the budget holds" if r.slots == -1 else "rollout.slots"
@@ -249,9 +252,25 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
                                 if frozen else "none (no adapters)"),
       "sampler.kv_cache": f"{b} slots x {S} tokens per device ({B} slots: {slots_note}; {kind} layout)",
       "sampler.scratch": f"largest program scratch: {which} (weight copies, sampling buffers, activations)",
+      "sampler.teacher": (f"the teacher's weights ({run.teacher.hf_checkpoint}), beside the sampler" if teacher
+                          else "none (no teacher)"),
   })
   return dict(weights=mem["params"], spare_weights=keep * mem["params"],
-              pristine_base=mem["params"] if frozen else 0, kv_cache=mem["cache"], scratch=int(scratch))
+              pristine_base=mem["params"] if frozen else 0, kv_cache=mem["cache"], teacher=teacher,
+              scratch=int(scratch))
+
+
+def _teacher_bytes(run: RunConfig, mesh: AbstractMesh, isz: int) -> tuple[int, float]:
+  """A distilling run's teacher beside the sampler (rlax.teachers): (its weights, its scoring program's scratch:
+  one layer's activations and the chunked log-softmax over the batch's rows on this device), 0s without one."""
+  if not run.algorithm.distills:
+    return 0, 0.0
+  tcfg = hf.read_config(run.teacher.hf_checkpoint, dtype=run.model.dtype)
+  r = run.rollout
+  S, rows = r.max_prompt_len + r.max_new_tokens, r.rows // shd.row_shards(mesh, r.rows)
+  tensor = dict(mesh.shape)["tensor"]
+  logits = _LOGIT_COPIES * rows * min(run.teacher.chunk, S) * _split(tcfg.vocab_size, tensor) * 4
+  return sizing.weight_bytes(tcfg, mesh), logits + _layer_acts(tcfg, rows * S, S, tensor, isz, _INFER_PER_ELEM)
 
 
 def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,
@@ -311,7 +330,7 @@ def _trainer_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
 
 def _sampler_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
   s = est.sampler
-  if s["weights"] + s["spare_weights"] + s["pristine_base"] >= s["kv_cache"] + s["scratch"]:
+  if s["weights"] + s["spare_weights"] + s["pristine_base"] + s["teacher"] >= s["kv_cache"] + s["scratch"]:
     return "shard the sampler's weights (topology.sampler_mesh.tensor > 1) or give it more devices"
   slots = "" if run is None else f" ({run.rollout.decode_slots(run.eval.n_samples)} decode slots)"
   return f"lower rollout.max_new_tokens or rollout.slots{slots}"

@@ -19,7 +19,7 @@ SECTIONS = {"init": config_lib.InitConfig, "optimizer": config_lib.OptimizerSect
             "rollout": config_lib.RolloutConfig, "controller": config_lib.ControllerConfig,
             "data": config_lib.DataConfig, "reward": config_lib.RewardConfig, "eval": config_lib.EvalConfig,
             "env": config_lib.EnvConfig, "checkpoint": config_lib.CheckpointConfig, "faults": config_lib.FaultsConfig,
-            "plan": config_lib.PlanConfig, "model.lora": LoraConfig}
+            "plan": config_lib.PlanConfig, "model.lora": LoraConfig, "teacher": config_lib.TeacherConfig}
 
 
 @pytest.mark.parametrize("cls", SECTIONS.values(), ids=SECTIONS.keys())
@@ -48,6 +48,8 @@ def test_every_section_validates_at_its_defaults(cls):
     ("faults", "kill_in_recovery", (("build", "SIGSTOP"),)),
     ("plan", "num_slices", 0), ("plan", "hbm_gib", 0.0),
     ("model.lora", "rank", -1), ("model.lora", "dropout", 0.1), ("model.lora", "targets", ("qkv",)),
+    ("teacher", "placement", "trainer"), ("teacher", "temperature", 0.0), ("teacher", "chunk", 0),
+    ("teacher", "hf_checkpoint", "/nonexistent/teacher"),
 ])
 def test_a_bad_field_is_one_error_naming_it(section, field, value):
   bad = dataclasses.replace(SECTIONS[section](), **{field: value})

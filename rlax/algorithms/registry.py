@@ -120,8 +120,9 @@ class AlgorithmConfig:
 
   @property
   def needs_groups(self) -> bool:
-    """Whether the advantage normalizes within a prompt's group: then rollout.samples_per_prompt >= 2."""
-    return self.advantage in GROUP_ESTIMATORS
+    """Whether the advantage normalizes within a prompt's group: then rollout.samples_per_prompt >= 2 (not
+    for distillation alone, reward_coef = 0: the teacher's advantage is per token)."""
+    return self.advantage in GROUP_ESTIMATORS and self.reward_coef > 0
 
   @property
   def distills(self) -> bool:

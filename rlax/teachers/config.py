@@ -21,8 +21,10 @@ class TeacherConfig:
   def validate(self) -> "TeacherConfig":
     if self.placement not in PLACEMENTS:
       raise ValueError(f"teacher.placement={self.placement!r}: expected one of {list(PLACEMENTS)}")
-    if self.temperature <= 0 or self.chunk < 1:
-      raise ValueError(f"teacher.temperature={self.temperature} must be > 0 and teacher.chunk={self.chunk} >= 1")
+    if self.temperature <= 0:
+      raise ValueError(f"teacher.temperature={self.temperature} must be > 0")
+    if self.chunk < 1:
+      raise ValueError(f"teacher.chunk={self.chunk} must be >= 1")
     if self.hf_checkpoint and not os.path.isfile(os.path.join(self.hf_checkpoint, "config.json")):
       raise ValueError(f"teacher.hf_checkpoint={self.hf_checkpoint!r}: no config.json there (an HF model "
                        "directory, e.g. a run's <workdir>/export, is needed)")

@@ -20,6 +20,7 @@ import numpy as np
 
 from rlax import models
 from rlax.models import hf
+from rlax.models import sharding as shd
 from rlax.teachers.config import TeacherConfig
 from rlax.trainer import layouts
 from rlax.trainer.batch import RolloutBatch
@@ -58,8 +59,10 @@ class Teacher:
   def _ctx(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-  def _logprobs(self, params, x: dict, loss_mask, *, layout: layouts.Layout):
+  def _logprobs(self, params, x: dict, *, layout: layouts.Layout):
     self.traces["teacher_logprobs"] += 1  # at trace time only
+    x = dict(x)
+    loss_mask = x.pop("loss_mask")
     lp = layout.logprobs(params, self.cfg, x, chunk=self.chunk, temperature=self.temperature)
     return jax.numpy.where(loss_mask > 0, lp, 0.0)
 
@@ -74,8 +77,10 @@ class Teacher:
     layout = layouts.of(batch)
     x = {k: np.asarray(v) for k, v in layout.inputs(batch).items()}
     x.pop("routes", None)  # the policy's experts: a teacher routes afresh
+    x["loss_mask"] = np.asarray(batch.loss_mask, np.float32)
+    if self.mesh is not None:  # rows over the mesh's batch axes, as the trainer's batch
+      x = jax.device_put(x, {k: shd.batch_sharding(self.mesh, v.shape[0], v.ndim) for k, v in x.items()})
     with self._ctx():
-      out = np.asarray(jax.device_get(self._fn(self.params, x, np.asarray(batch.loss_mask, np.float32),
-                                               layout=layout)), np.float32)
+      out = np.asarray(jax.device_get(self._fn(self.params, x, layout=layout)), np.float32)
     self.seconds += time.perf_counter() - t0
     return out

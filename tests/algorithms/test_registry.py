@@ -6,7 +6,7 @@ import pytest
 
 from rlax import algorithms as A
 
-NAMES = ["cispo", "dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+NAMES = ["cispo", "dapo", "distill", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
 
 
 def test_known_names():
@@ -45,7 +45,7 @@ def test_overrides_are_applied_and_validated():
 
 
 def test_unknown_algorithm_lists_known_ones():
-  with pytest.raises(ValueError, match="unknown algorithm 'grpo2'; known: cispo, dapo, dr_grpo, grpo"):
+  with pytest.raises(ValueError, match="unknown algorithm 'grpo2'; known: cispo, dapo, distill, dr_grpo, grpo"):
     A.get_algorithm("grpo2")
 
 
