@@ -106,10 +106,14 @@ def test_group_algorithms_come_from_the_registry(tmp_path):
   need = {n for n in algorithms.known_algorithms() if algorithms.get_algorithm(n).needs_groups}
   assert need == {"grpo", "dr_grpo", "dapo", "rloo", "gspo", "cispo", "reinforce_pp_baseline"}
   assert not algorithms.get_algorithm("grpo", advantage="reinforce_pp").needs_groups  # follows the estimator
+  assert algorithms.get_algorithm("distill", reward_coef=1.0).needs_groups  # GRPO's advantage mixed back in
   c = base.get_config()
   c.workdir, c.rollout.samples_per_prompt, c.optimizer.micro_batches = str(tmp_path), 1, 1
+  (tmp_path / "teacher").mkdir()
+  (tmp_path / "teacher" / "config.json").write_text("{}")  # read by the run's builders, not by load
   for name in algorithms.known_algorithms():
     c.algorithm.name = name
+    c.teacher.hf_checkpoint = str(tmp_path / "teacher") if algorithms.get_algorithm(name).distills else ""
     if name in need:
       with pytest.raises(ValueError, match=f"algorithm {name!r} normalizes within groups"):
         config_lib.load(c)
