@@ -43,14 +43,17 @@ class ControllerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-  """Held-out pass@k before and after training: `n_samples` samples per eval prompt."""
+  """Held-out pass@k before and after training (and every `every` steps between: the learning curve, in the
+  metrics rows and the summary's `curve`): `n_samples` samples per eval prompt."""
   n_samples: int = 8
   temperature: float = 1.0
   greedy: bool = False            # also greedy accuracy (one more greedy completion per prompt)
+  every: int = 0                  # 0: before and after only
 
   def validate(self) -> "EvalConfig":
     _check(((self.n_samples >= 1, f"eval.n_samples={self.n_samples} must be >= 1"),
-            (self.temperature > 0, f"eval.temperature={self.temperature} must be > 0")))
+            (self.temperature > 0, f"eval.temperature={self.temperature} must be > 0"),
+            (self.every >= 0, f"eval.every={self.every} must be >= 0")))
     return self
 
 

@@ -96,10 +96,6 @@ class Controller:
       self._compiling = Background(lambda: self.trainer.compile_ahead(ref=self.run_cfg.algorithm.kl_coef > 0),
                                    name="compile-ahead")
 
-  def _warm_sampler(self) -> None:
-    if self.sampler is not None:
-      self.sampling.warm_up(self.parts)
-
   def _push(self, params, version: int) -> dict:
     if self.sampler is not None:
       self.faults.ensure_alive(self.topo.sampler_mesh)
@@ -124,7 +120,7 @@ class Controller:
   def _stretch(self, s: int, state, before: Optional[dict], pending: list):
     """Trains from step `s` until done, preempted or a slice fault → (step, state, fault or None, kept rollouts)."""
     run = self.run_cfg
-    ctl, steps = run.controller, run.controller.steps
+    ctl, steps, ctl_eval = run.controller, run.controller.steps, run.eval
     queue = RolloutQueue(ctl.queue_size, ctl.max_staleness, ctl.stale_policy)
     plan = run_lib.train_plan(run, self.trainer)
     self._compile_ahead()  # a trainer rebuilt on a new mesh compiles its programs again
@@ -162,6 +158,8 @@ class Controller:
         row = step_lib.metrics_row(m, item, sync=sync, skipped=bad is not None, compiles=self.compiles.delta(),
                                    train_s=t2 - t1, wait_s=wait, sync_s=t3 - t2, step_s=t3 - t0,
                                    staleness=s - item.version, dropped=self.dropped + queue.dropped)
+        if ctl_eval.every and (s + 1) % ctl_eval.every == 0 and s + 1 < steps:  # the held-out curve
+          row.update(summary_lib.evaluated(lambda: self.evaluate(f"step {s + 1}"), ctl_eval.n_samples))
         self.metrics.write(s, row)
         for cb in self.callbacks:
           cb(self, s, row)
@@ -203,7 +201,8 @@ class Controller:
     self.roles.send_start(p.message())
     self._push(state.params, s)
     self._compile_ahead()  # on a thread, while the sampler compiles its own and evaluates the starting policy
-    self._warm_sampler()
+    if self.sampler is not None:
+      self.sampling.warm_up(self.parts)
     if before is None:
       before = self.evaluate("before")
     while True:  # one stretch per topology: a slice fault ends it and recovery starts the next
@@ -231,7 +230,7 @@ class Controller:
       if steps > 0:
         summary["export_dir"] = self._export(state.params, os.path.join(self.workdir, "export"))
       after = self.evaluate("after") if steps > 0 else before  # steps=0: evaluate the starting policy only
-      summary_lib.add_evals(summary, before, after, run.eval.n_samples)
+      summary_lib.add_evals(summary, before, after, run.eval.n_samples, self.metrics.history)
     return summary_lib.write(self.workdir, summary, t_start)
 
   def run(self) -> Optional[dict]:

@@ -31,6 +31,9 @@ def process_parts(run: RunConfig, tok: Tokenizer) -> tuple[Optional[Channel], fa
   if channel is not None and run.faults.any:
     raise ValueError("faults.lose_slice_at / restore_slice_at simulate slice loss inside one controller "
                      "process; a multi-process job recovers by restarting (launch.multihost)")
+  if channel is not None and run.eval.every:
+    raise ValueError(f"eval.every={run.eval.every}: evaluations during training run in one controller process; "
+                     "a multi-process job evaluates before and after (set eval.every=0)")
   # Slices an earlier process lost stay lost: start on the reduced topology.
   faults = failover.Faults(run, topology)
   topology = faults.restart_topology(topology)

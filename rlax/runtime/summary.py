@@ -34,13 +34,30 @@ def of_run(run: RunConfig, *, steps: int, finished: bool, params: Any, staleness
           "nonfinite_skipped": int(sum(r.get("nonfinite_skipped") or 0 for r in history))}
 
 
-def add_evals(summary: dict, before: dict, after: dict, n: int) -> None:
-  """pass@1 and pass@n before/after RL; multi-turn: tool use on the held-out episodes."""
+def add_evals(summary: dict, before: dict, after: dict, n: int, history: list[dict]) -> None:
+  """pass@1 and pass@n before/after RL, the held-out curve (`curve`); multi-turn: tool use on the held-out
+  episodes."""
   summary.update({"pass1_before": before["pass@1"], "pass1_after": after["pass@1"],
-                  f"pass{n}_before": before[f"pass@{n}"], f"pass{n}_after": after[f"pass@{n}"]})
+                  f"pass{n}_before": before[f"pass@{n}"], f"pass{n}_after": after[f"pass@{n}"],
+                  "curve": curve(before, history, after)})
   for k in ("env/tool_calls", "env/valid_call_rate"):
     if k in after:
       summary.update({f"{k[4:]}_before": before.get(k), f"{k[4:]}_after": after[k]})
+
+
+def evaluated(evaluate, n: int) -> dict:
+  """A metrics row's part for a held-out evaluation during training (eval.every): `evaluate()`'s pass@1 and
+  pass@n, and its seconds."""
+  t = time.perf_counter()
+  res = evaluate()
+  return {"eval_pass1": res["pass@1"], f"eval_pass{n}": res[f"pass@{n}"], "eval_s": time.perf_counter() - t}
+
+
+def curve(before: dict, history: list[dict], after: dict) -> dict:
+  """The held-out learning curve: pass@1 at step 0, at every evaluation during training, and at the end."""
+  mid = [(r["step"] + 1, r["eval_pass1"]) for r in history if r.get("eval_pass1") is not None]
+  points = [(0, before["pass@1"]), *mid, (history[-1]["step"] + 1 if history else 0, after["pass@1"])]
+  return {"step": [p[0] for p in points], "pass1": [p[1] for p in points]}
 
 
 def stopped_in_warm_start(sft_done: int) -> dict:

@@ -148,3 +148,17 @@ def test_kl_reference_is_the_starting_policy_after_a_resume(tmp_path, sft_steps)
   assert second.run()["steps"] == 3
   assert _params_equal(second.ref_params, start)
   assert not _params_equal(second.final_state.params, start)
+
+
+def test_eval_every_records_the_held_out_curve(tmp_path):
+  """eval.every=2 over 5 steps: held-out pass@k after steps 2 and 4 (the newest weights, beside the running
+  producer) in those steps' rows, and the curve 0, 2, 4, 5 in the summary, its ends the before/after figures."""
+  ctl = Controller(tiny_config(tmp_path, **{"controller.steps": 5, "eval.every": 2}), progress=False)
+  out = ctl.run()
+  rows = ctl.metrics.history
+  assert [r["step"] for r in rows if "eval_pass1" in r] == [1, 3]
+  n = ctl.run_cfg.eval.n_samples
+  assert all(0 <= r["eval_pass1"] <= r[f"eval_pass{n}"] <= 1 and r["eval_s"] > 0 for r in rows if "eval_pass1" in r)
+  assert out["curve"]["step"] == [0, 2, 4, 5]
+  assert out["curve"]["pass1"] == [out["pass1_before"], rows[1]["eval_pass1"], rows[3]["eval_pass1"],
+                                   out["pass1_after"]]
