@@ -40,11 +40,12 @@ setup(
     extras_require={
         "test": ["pytest>=8,<10", "pytest-xdist>=3.6,<4", "torch==2.13.0", "transformers>=5,<6", "pyarrow>=15,<27",
                  "datasets>=3,<6", "reasoning-gym>=0.1.20,<0.2", "peft>=0.15,<1", "gguf>=0.10", "accelerate>=1.0",
-                 "bm25s>=0.3,<0.4"],
+                 "bm25s>=0.3,<0.4", "matplotlib>=3.7"],
         "parquet": ["pyarrow>=15,<27"],
         "datasets": ["datasets>=3,<6"],  # data files that are Hugging Face datasets directories
         "reasoning_gym": ["reasoning-gym>=0.1.20,<0.2"],  # data.task=reasoning_gym:<dataset>
         "search": ["bm25s>=0.3,<0.4"],  # search tools over a corpus (rlax.envs.retrieval)
+        "plot": ["matplotlib>=3.7"],  # launch.curves
         # launch.fetch_model: the hub, and GGUF files dequantized by transformers
         "fetch": ["huggingface_hub>=0.30", "torch>=2.4", "transformers>=5,<6", "gguf>=0.10", "accelerate>=1.0"],
         "tpu": ["jax[tpu]>=0.10.2,<0.12"],

@@ -61,7 +61,7 @@ def test_no_flag_is_defined_in_two_launch_modules():
   assert where["cpu_devices"] == ["flags_util.py"] and where["config"] == ["flags_util.py"]
 
 
-_HELP = ["evaluate", "export", "fault_inject", "fetch_model", "main", "make_data", "multihost", "plan",
+_HELP = ["curves", "evaluate", "export", "fault_inject", "fetch_model", "main", "make_data", "multihost", "plan",
          "search_index", "tpu", "upcycle", "xm_launch"]
 
 
@@ -199,3 +199,22 @@ def test_signal_during_the_warm_start_checkpoints_it(tmp_path, sig):
   assert summary["preempted"] and summary["steps"] == 0 and summary["sft_steps_done"] > 0, out
   assert os.listdir(tmp_path / "run" / "checkpoints_sft") == [str(summary["sft_steps_done"])]
   assert "Traceback" not in err and "grace period" not in err
+
+
+def test_curves_plots_the_runs_held_out_curves(tmp_path):
+  runs = []
+  for name, algo, pass1 in (("rl", "grpo", [0.1, 0.4, 0.6]), ("distill", "distill", [0.1, 0.55])):
+    (tmp_path / name).mkdir()
+    step = [0, 4, 8][:len(pass1)]
+    (tmp_path / name / "summary.json").write_text(json.dumps({"algorithm": algo, "curve": {"step": step,
+                                                                                         "pass1": pass1}}))
+    runs.append(str(tmp_path / name))
+  out = tmp_path / "curves.png"
+  r = _run("-m", "launch.curves", f"--runs={','.join(runs)}", f"--out={out}")
+  assert r.returncode == 0, r.stderr[-2000:]
+  res = json.loads(r.stdout.strip().splitlines()[-1])
+  assert res["curves"][runs[1]] == {"step": [0, 4], "pass1": [0.1, 0.55], "algorithm": "distill"}
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  (tmp_path / "rl" / "summary.json").write_text(json.dumps({"steps": 3}))  # a run without a curve: one line
+  r = _run("-m", "launch.curves", f"--runs={runs[0]}", f"--out={out}")
+  assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("rlax: curves:") and "no held-out curve" in r.stderr

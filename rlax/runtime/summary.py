@@ -28,7 +28,7 @@ def of_run(run: RunConfig, *, steps: int, finished: bool, params: Any, staleness
           "staleness_hist": {str(k): v for k, v in sorted(staleness_hist.items())},
           "params_sha256": params_sha256(params), "failovers": failovers,
           "processes": jax.process_count(),
-          "model": run.hf_checkpoint or run.model_preset,
+          "model": run.hf_checkpoint or run.model_preset, "algorithm": run.algorithm.name,
           "task": ",".join(run.data.files("train")) or run.data.task,
           "prompts_dropped": prompts_dropped,
           "nonfinite_skipped": int(sum(r.get("nonfinite_skipped") or 0 for r in history))}
