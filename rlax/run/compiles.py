@@ -41,23 +41,32 @@ class CompileCounter:
 
 
 class Background:
-  """`fn()` on a thread; `wait()` joins it and raises what it raised (nothing when never started)."""
+  """`fn()` on a thread; `wait()` joins it, raises what it raised and returns what it returned (None when
+  never started; `Background.done(value)`: already there)."""
 
   def __init__(self, fn=None, name: str = "background"):
     self._error: BaseException | None = None
     self._thread = None
+    self.value = None
     if fn is not None:
       def body():
         try:
-          fn()
+          self.value = fn()
         except BaseException as e:  # re-raised in the waiting thread
           self._error = e
       self._thread = threading.Thread(target=body, daemon=True, name=name)
       self._thread.start()
 
-  def wait(self) -> None:
+  @classmethod
+  def done(cls, value) -> "Background":
+    out = cls()
+    out.value = value
+    return out
+
+  def wait(self):
     if self._thread is not None:
       self._thread.join()
       self._thread = None
     if self._error is not None:
       raise self._error
+    return self.value
