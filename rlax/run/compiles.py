@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+from absl import logging
 import jax
 
 _EVENT = "/jax/core/compile/backend_compile_duration"
@@ -42,9 +43,10 @@ class CompileCounter:
 
 class Background:
   """`fn()` on a thread; `wait()` joins it, raises what it raised and returns what it returned (None when
-  never started; `Background.done(value)`: already there)."""
+  never started; `Background.done(value)`: already there). `tolerate`: exception types that only give None
+  (logged), e.g. a slice lost under a job that only reports."""
 
-  def __init__(self, fn=None, name: str = "background"):
+  def __init__(self, fn=None, name: str = "background", tolerate: tuple = ()):
     self._error: BaseException | None = None
     self._thread = None
     self.value = None
@@ -52,6 +54,8 @@ class Background:
       def body():
         try:
           self.value = fn()
+        except tolerate as e:
+          logging.warning("%s: %s", name, e)
         except BaseException as e:  # re-raised in the waiting thread
           self._error = e
       self._thread = threading.Thread(target=body, daemon=True, name=name)
@@ -62,6 +66,10 @@ class Background:
     out = cls()
     out.value = value
     return out
+
+  def ready(self) -> bool:
+    """Whether `wait()` would return at once."""
+    return self._thread is None or not self._thread.is_alive()
 
   def wait(self):
     if self._thread is not None:

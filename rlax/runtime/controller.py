@@ -16,7 +16,6 @@ coordination service (rlax.rollout.remote), and the two meet by the typed handsh
 from __future__ import annotations
 
 import collections
-import functools
 import os
 import time
 from typing import Optional
@@ -107,8 +106,8 @@ class Controller:
       return
     pending = queue.peek(n) if (n := self.run_state.pending_needed(s)) else []
     self.run_state.save(s, state, pending=pending, data_state=pending[-1].data_state if pending else self._data_after,
-                        version=self.weights.pushed, history=self.metrics.history, eval_before=before.wait(),
-                        ref_params=self.ref_params)
+                        version=self.weights.pushed, history=self.metrics.history,  # unready: a resume evaluates
+                        eval_before=before.wait() if before.ready() else None, ref_params=self.ref_params)
 
   def _export(self, params, out_dir: str) -> str:
     """The policy as an HF directory (config, safetensors, tokenizer, chat template, generation config)."""
@@ -205,8 +204,8 @@ class Controller:
       self.sampling.warm_up(self.parts)
     if before is not None or self.sampler is None:  # kept by a checkpoint / evaluated by the sampler process
       before = Background.done(before or self.evaluate("before"))
-    else:  # beside the first steps: the starting weights, held
-      before = Background(functools.partial(self.evaluate, "before", self.weights.latest()), name="eval-before")
+    else:  # beside the first steps, the starting weights held (its sampler lost: no figure, the run goes on)
+      before = Background(lambda w=self.weights.latest(): self.evaluate("before", w), "eval-before", (SliceLostError,))
     while True:  # one stretch per topology: a slice fault ends it and recovery starts the next
       s, state, fault, kept = self._stretch(s, state, before, pending)
       if fault is None:
