@@ -256,7 +256,8 @@ def teacher(run: RunConfig, mesh, tok: Tokenizer):
   against the policy's; None for any other run."""
   if not run.algorithm.distills:
     return None
-  return teachers.Teacher.load(run.teacher, mesh=mesh, student_tokenizer=tok, dtype=run.model.dtype)
+  return teachers.Teacher.load(run.teacher, mesh=mesh, student_tokenizer=tok, student_vocab=run.model.vocab_size,
+                               dtype=run.model.dtype)
 
 
 def sampling_method(run: RunConfig) -> SamplingMethod:

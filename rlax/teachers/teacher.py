@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import time
 
 import jax
 import numpy as np
@@ -45,15 +44,19 @@ class Teacher:
     self.cfg, self.mesh, self.params = cfg, mesh, params
     self.temperature, self.chunk = temperature, chunk
     self.traces: collections.Counter = collections.Counter()
-    self.seconds = 0.0  # spent scoring, over the run
     self._fn = jax.jit(self._logprobs, static_argnames="layout")
 
   @classmethod
-  def load(cls, config: TeacherConfig, *, mesh=None, student_tokenizer=None, dtype=None) -> "Teacher":
-    """The teacher `config` names, on `mesh`; with `student_tokenizer`, its tokenizer checked against it first."""
+  def load(cls, config: TeacherConfig, *, mesh=None, student_tokenizer=None, student_vocab: int = 0,
+           dtype=None) -> "Teacher":
+    """The teacher `config` names, on `mesh`; with `student_tokenizer`, its tokenizer checked against it first;
+    its vocabulary must cover every id the student can sample (`student_vocab`, its embedding's rows)."""
     if student_tokenizer is not None:
       check_tokenizers(student_tokenizer, config.hf_checkpoint)
     cfg, params = hf.load_checkpoint(config.hf_checkpoint, mesh=mesh, dtype=dtype)
+    if cfg.vocab_size < student_vocab:
+      raise ValueError(f"teacher.hf_checkpoint={config.hf_checkpoint!r}: its {cfg.vocab_size} embedding rows do not "
+                       f"cover the policy's {student_vocab}: a sampled id would have no teacher log-prob")
     return cls(cfg, params, mesh, temperature=config.temperature, chunk=config.chunk)
 
   def _ctx(self):
@@ -71,9 +74,6 @@ class Teacher:
     if batch.forks is not None and np.any(np.asarray(batch.forks)):
       raise ValueError("teacher: episodes split into rows (forks) are not scored yet; raise rollout.max_new_tokens "
                        "so that each episode fits one row")
-    if int(np.max(np.asarray(batch.tokens))) >= self.cfg.vocab_size:
-      raise ValueError(f"teacher: a token id is past the teacher's vocabulary of {self.cfg.vocab_size}")
-    t0 = time.perf_counter()
     layout = layouts.of(batch)
     x = {k: np.asarray(v) for k, v in layout.inputs(batch).items()}
     x.pop("routes", None)  # the policy's experts: a teacher routes afresh
@@ -81,6 +81,4 @@ class Teacher:
     if self.mesh is not None:  # rows over the mesh's batch axes, as the trainer's batch
       x = jax.device_put(x, {k: shd.batch_sharding(self.mesh, v.shape[0], v.ndim) for k, v in x.items()})
     with self._ctx():
-      out = np.asarray(jax.device_get(self._fn(self.params, x, layout=layout)), np.float32)
-    self.seconds += time.perf_counter() - t0
-    return out
+      return np.asarray(jax.device_get(self._fn(self.params, x, layout=layout)), np.float32)

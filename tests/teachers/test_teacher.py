@@ -146,3 +146,8 @@ def test_the_distillation_gradient_descends_the_exact_reverse_kl(tmp_path):
   flat = lambda g: jnp.concatenate([v.ravel() for v in jax.tree.leaves(g)])
   g1, g2 = flat(jax.grad(surrogate)(params)), flat(jax.grad(exact)(params))
   assert float(g1 @ g2 / jnp.linalg.norm(g1) / jnp.linalg.norm(g2)) > 0.25
+
+
+def test_a_teacher_with_fewer_embedding_rows_than_the_policy_is_one_error(teacher_dir):
+  with pytest.raises(ValueError, match="do not cover the policy's 80"):
+    Teacher.load(TeacherConfig(hf_checkpoint=str(teacher_dir)), student_vocab=80)
