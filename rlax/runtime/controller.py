@@ -202,10 +202,9 @@ class Controller:
     self._compile_ahead()  # on a thread, while the sampler compiles its own and evaluates the starting policy
     if self.sampler is not None:
       self.sampling.warm_up(self.parts)
-    if before is not None or self.sampler is None:  # kept by a checkpoint / evaluated by the sampler process
-      before = Background.done(before or self.evaluate("before"))
-    else:  # beside the first steps, the starting weights held (its sampler lost: no figure, the run goes on)
-      before = Background(lambda w=self.weights.latest(): self.evaluate("before", w), "eval-before", (SliceLostError,))
+    # Before the first step (kept by a checkpoint, or evaluated now): run beside the steps, its first-use
+    # compiles would land in their rows (rlax.run.compiles.Background can hold it there once they are warmed up).
+    before = Background.done(before or self.evaluate("before"))
     while True:  # one stretch per topology: a slice fault ends it and recovery starts the next
       s, state, fault, kept = self._stretch(s, state, before, pending)
       if fault is None:
