@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 
-from absl import logging
 import jax
 
 _EVENT = "/jax/core/compile/backend_compile_duration"
@@ -42,39 +41,23 @@ class CompileCounter:
 
 
 class Background:
-  """`fn()` on a thread; `wait()` joins it, raises what it raised and returns what it returned (None when
-  never started; `Background.done(value)`: already there). `tolerate`: exception types that only give None
-  (logged), e.g. a slice lost under a job that only reports."""
+  """`fn()` on a thread; `wait()` joins it and raises what it raised (nothing when never started)."""
 
-  def __init__(self, fn=None, name: str = "background", tolerate: tuple = ()):
+  def __init__(self, fn=None, name: str = "background"):
     self._error: BaseException | None = None
     self._thread = None
-    self.value = None
     if fn is not None:
       def body():
         try:
-          self.value = fn()
-        except tolerate as e:
-          logging.warning("%s: %s", name, e)
+          fn()
         except BaseException as e:  # re-raised in the waiting thread
           self._error = e
       self._thread = threading.Thread(target=body, daemon=True, name=name)
       self._thread.start()
 
-  @classmethod
-  def done(cls, value) -> "Background":
-    out = cls()
-    out.value = value
-    return out
-
-  def ready(self) -> bool:
-    """Whether `wait()` would return at once."""
-    return self._thread is None or not self._thread.is_alive()
-
-  def wait(self):
+  def wait(self) -> None:
     if self._thread is not None:
       self._thread.join()
       self._thread = None
     if self._error is not None:
       raise self._error
-    return self.value

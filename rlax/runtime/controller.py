@@ -85,9 +85,9 @@ class Controller:
     """Preemption notice: checkpoint at the next step boundary and return."""
     self.preemption.request()
 
-  def evaluate(self, tag: str, weights=None) -> dict:
-    """Held-out pass@k with `weights` (default: the newest published), run by the process that holds the sampler."""
-    return self.roles.recv_eval(tag) if self.sampler is None else self.sampling.evaluate(self.parts, tag, weights)
+  def evaluate(self, tag: str) -> dict:
+    """Held-out pass@k with the newest published weights (run by the process that holds the sampler)."""
+    return self.roles.recv_eval(tag) if self.sampler is None else self.sampling.evaluate(self.parts, tag)
 
   def _compile_ahead(self) -> None:
     """Compiles the trainer's programs on a thread (once per trainer); the first step waits for them."""
@@ -101,13 +101,13 @@ class Controller:
       self.faults.ensure_alive(self.topo.sampler_mesh)
     return self.weights.push(params, version)
 
-  def _save(self, s: int, state, queue: RolloutQueue, before: Background, force: bool) -> None:
+  def _save(self, s: int, state, queue: RolloutQueue, before: Optional[dict], force: bool) -> None:
     if not (force or self.run_state.should_save(s)):
       return
     pending = queue.peek(n) if (n := self.run_state.pending_needed(s)) else []
     self.run_state.save(s, state, pending=pending, data_state=pending[-1].data_state if pending else self._data_after,
-                        version=self.weights.pushed, history=self.metrics.history,  # unready: a resume evaluates
-                        eval_before=before.wait() if before.ready() else None, ref_params=self.ref_params)
+                        version=self.weights.pushed, history=self.metrics.history, eval_before=before,
+                        ref_params=self.ref_params)
 
   def _export(self, params, out_dir: str) -> str:
     """The policy as an HF directory (config, safetensors, tokenizer, chat template, generation config)."""
@@ -116,7 +116,7 @@ class Controller:
     logging.info("exported the policy to %s", out_dir)
     return out_dir
 
-  def _stretch(self, s: int, state, before: Background, pending: list):
+  def _stretch(self, s: int, state, before: Optional[dict], pending: list):
     """Trains from step `s` until done, preempted or a slice fault → (step, state, fault or None, kept rollouts)."""
     run = self.run_cfg
     ctl, steps, ctl_eval = run.controller, run.controller.steps, run.eval
@@ -202,9 +202,8 @@ class Controller:
     self._compile_ahead()  # on a thread, while the sampler compiles its own and evaluates the starting policy
     if self.sampler is not None:
       self.sampling.warm_up(self.parts)
-    # Before the first step (kept by a checkpoint, or evaluated now): run beside the steps, its first-use
-    # compiles would land in their rows (rlax.run.compiles.Background can hold it there once they are warmed up).
-    before = Background.done(before or self.evaluate("before"))
+    if before is None:  # before the first step: beside the steps, its first-use compiles would land in their rows
+      before = self.evaluate("before")
     while True:  # one stretch per topology: a slice fault ends it and recovery starts the next
       s, state, fault, kept = self._stretch(s, state, before, pending)
       if fault is None:
@@ -229,8 +228,8 @@ class Controller:
     if finished:
       if steps > 0:
         summary["export_dir"] = self._export(state.params, os.path.join(self.workdir, "export"))
-      after = self.evaluate("after") if steps > 0 else before.wait()  # steps=0: the starting policy only
-      summary_lib.add_evals(summary, before.wait(), after, run.eval.n_samples, self.metrics.history)
+      after = self.evaluate("after") if steps > 0 else before  # steps=0: evaluate the starting policy only
+      summary_lib.add_evals(summary, before, after, run.eval.n_samples, self.metrics.history)
     return summary_lib.write(self.workdir, summary, t_start)
 
   def run(self) -> Optional[dict]:

@@ -49,13 +49,12 @@ class SamplerRole:
     allocator.release_free_memory()  # what compiling left free
     allocator.check_memory_maps("the sampler's warm-up")
 
-  def evaluate(self, parts, tag: str, weights=None) -> dict:
-    """Held-out pass@k with `weights` ((params, version); default: the newest published); sent to the trainer
-    process when there is one."""
+  def evaluate(self, parts, tag: str) -> dict:
+    """Held-out pass@k with the newest published weights; sent to the trainer process when there is one."""
     run = self.run
     res = evaluation.held_out(self.eval_records, sampler=parts.sampler, render=self.render, reward_fn=self.reward_fn,
                               pool=self.pool, method=builders.eval_method(run), n=run.eval.n_samples,
-                              seed=run.seed + 1, weights=weights or parts.weights.latest(), episodes=self.episodes,
+                              seed=run.seed + 1, weights=parts.weights.latest(), episodes=self.episodes,
                               greedy=run.eval.greedy)
     logging.info("eval (%s): %s", tag, res)
     self.roles.send_eval(tag, res)

@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -34,12 +34,11 @@ def of_run(run: RunConfig, *, steps: int, finished: bool, params: Any, staleness
           "nonfinite_skipped": int(sum(r.get("nonfinite_skipped") or 0 for r in history))}
 
 
-def add_evals(summary: dict, before: Optional[dict], after: dict, n: int, history: list[dict]) -> None:
-  """pass@1 and pass@n before/after RL (before None: its evaluation lost its slice; reported as None), the
-  held-out curve (`curve`); multi-turn: tool use on the held-out episodes."""
-  before = before or {}
-  summary.update({"pass1_before": before.get("pass@1"), "pass1_after": after["pass@1"],
-                  f"pass{n}_before": before.get(f"pass@{n}"), f"pass{n}_after": after[f"pass@{n}"],
+def add_evals(summary: dict, before: dict, after: dict, n: int, history: list[dict]) -> None:
+  """pass@1 and pass@n before/after RL, the held-out curve (`curve`); multi-turn: tool use on the held-out
+  episodes."""
+  summary.update({"pass1_before": before["pass@1"], "pass1_after": after["pass@1"],
+                  f"pass{n}_before": before[f"pass@{n}"], f"pass{n}_after": after[f"pass@{n}"],
                   "curve": curve(before, history, after)})
   for k in ("env/tool_calls", "env/valid_call_rate"):
     if k in after:
@@ -57,7 +56,7 @@ def evaluated(evaluate, n: int) -> dict:
 def curve(before: dict, history: list[dict], after: dict) -> dict:
   """The held-out learning curve: pass@1 at step 0, at every evaluation during training, and at the end."""
   mid = [(r["step"] + 1, r["eval_pass1"]) for r in history if r.get("eval_pass1") is not None]
-  points = [(0, before.get("pass@1")), *mid, (history[-1]["step"] + 1 if history else 0, after["pass@1"])]
+  points = [(0, before["pass@1"]), *mid, (history[-1]["step"] + 1 if history else 0, after["pass@1"])]
   return {"step": [p[0] for p in points], "pass1": [p[1] for p in points]}
 
 

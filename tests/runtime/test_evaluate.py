@@ -42,7 +42,7 @@ def test_evaluate_equals_the_runtime_before_and_after(tmp_path, monkeypatch):
               str(tmp_path / "train.jsonl"))
   ctl = Controller(_config(tmp_path / "run", src, tmp_path / "train.jsonl"), progress=False)
   seen, evaluate = {}, ctl.evaluate
-  ctl.evaluate = lambda tag, weights=None: seen.setdefault(tag, evaluate(tag, weights))
+  ctl.evaluate = lambda tag: seen.setdefault(tag, evaluate(tag))
   ctl.run()
   before = evaluate_model(_config(tmp_path / "x", src, tmp_path / "train.jsonl"))
   after = evaluate_model(_config(tmp_path / "y", src, tmp_path / "train.jsonl"), checkpoint=str(tmp_path / "run"))
