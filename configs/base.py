@@ -32,7 +32,10 @@ dataclasses' (rlax.config.defaults()); the fields each section holds, and what t
     a process under a deadline (timeout_s), an address-space cap (memory_mb) and a size limit (max_chars:
     longer completions score 0). sandbox: "auto" runs policy-written code in the jail (bubblewrap + seccomp)
     and refuses without one; "unsafe" is the explicit opt-in to run it with resource limits only (README:
-    Security).
+    Security). name "judge": a generative judge grades (the `judge` section).
+  teacher (rlax.teachers.config.TeacherConfig): the model a distilling run learns from (algorithm distill_coef).
+  judge (rlax.judges.config.JudgeConfig): reward.name="judge": an HF model beside the sampler reads the rubric,
+    question, reference and reply (template) and writes a verdict (a number, a label or a JSON field).
   env (rlax.envs.config.EnvConfig): multi-turn episodes; name "" = one-shot rollouts; "calculator", "retry",
     "single_turn" or "module:Class".
   eval (rlax.runtime.config.EvalConfig): on data.n_eval held-out prompts; greedy: also greedy accuracy.

@@ -18,6 +18,7 @@ import numpy as np
 
 from rlax import models
 from rlax import envs
+from rlax import judges
 from rlax import rewards
 from rlax import run as run_lib
 from rlax import teachers
@@ -151,7 +152,11 @@ def record_iterator(run: RunConfig, records: list[Record]) -> RecordIterator:
 
 
 def reward_fn(run: RunConfig):
+  """The run's reward entry; reward.name="judge": a `judges.JudgeReward`, graded once its judge is loaded beside
+  the sampler (`judge`)."""
   r = run.reward
+  if r.name == "judge":
+    return judges.JudgeReward()
   return rewards.build(r.name, answer=r.answer, format_weight=r.format_weight)
 
 
@@ -258,6 +263,22 @@ def teacher(run: RunConfig, mesh, tok: Tokenizer):
     return None
   return teachers.Teacher.load(run.teacher, mesh=mesh, student_tokenizer=tok, student_vocab=run.model.vocab_size,
                                dtype=run.model.dtype)
+
+
+def judge_slots(run: RunConfig) -> int:
+  """Replies the judge decodes at once: judge.slots, else one step's rollouts. Callers: `judge`, rlax.memory."""
+  return run.judge.slots or run.rollout.rows
+
+
+def judge(run: RunConfig, mesh):
+  """A judging run's judge (rlax.judges) on `mesh` in the policy's compute dtype, its sample log in the run's
+  logs; None for any other run."""
+  if run.reward.name != "judge":
+    return None
+  logs = os.path.join(run.workdir, "logs")
+  os.makedirs(logs, exist_ok=True)
+  return judges.Judge.load(run.judge, mesh=mesh, slots=judge_slots(run), dtype=run.model.dtype,
+                           log_path=os.path.join(logs, "judge.jsonl"))
 
 
 def sampling_method(run: RunConfig) -> SamplingMethod:

@@ -9,7 +9,7 @@ field that no code reads does not exist, and an unknown field in the ConfigDict 
 
 Where each section lives: init, optimizer: rlax.trainer.config; rollout: rlax.rollout.config; controller, eval,
 checkpoint, faults: rlax.runtime.config; data: rlax.data.config; reward: rlax.rewards.config; env: rlax.envs.config;
-teacher: rlax.teachers.config; plan: rlax.planning_config; topology: rlax.topology; algorithm:
+teacher: rlax.teachers.config; judge: rlax.judges.config; plan: rlax.planning_config; topology: rlax.topology; algorithm:
 rlax.algorithms.registry; model: rlax.models (model.lora: rlax.models.lora).
 """
 
@@ -26,6 +26,7 @@ from rlax import models
 from rlax.data.config import DataConfig
 from rlax.envs import registry as env_registry
 from rlax.envs.config import EnvConfig
+from rlax.judges.config import JudgeConfig
 from rlax.models.lora import LoraConfig, parse_targets, target_spec
 from rlax.planning_config import PlanConfig
 from rlax.rewards.config import RewardConfig
@@ -61,6 +62,7 @@ class RunConfig:
   faults: FaultsConfig
   plan: Optional[PlanConfig] = None
   teacher: TeacherConfig = TeacherConfig()
+  judge: JudgeConfig = JudgeConfig()
   lora: LoraConfig = LoraConfig()  # model.lora: low-rank adapters (rank 0: every weight trains)
 
   def replace(self, **kw) -> "RunConfig":
@@ -71,7 +73,8 @@ class RunConfig:
 # Sections whose ConfigDict node holds exactly their dataclass's fields.
 _SECTIONS = {"init": InitConfig, "optimizer": OptimizerSection, "rollout": RolloutConfig,
              "controller": ControllerConfig, "data": DataConfig, "reward": RewardConfig, "eval": EvalConfig,
-             "env": EnvConfig, "checkpoint": CheckpointConfig, "teacher": TeacherConfig, "plan": PlanConfig}
+             "env": EnvConfig, "checkpoint": CheckpointConfig, "teacher": TeacherConfig, "judge": JudgeConfig,
+             "plan": PlanConfig}
 _TOP = ("seed", "workdir", "deterministic", "model", "topology", "algorithm", "faults", *_SECTIONS)
 _RUN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.default is not dataclasses.MISSING}
 
@@ -181,7 +184,8 @@ def load(cd: Any) -> RunConfig:
   default = defaults()
   preset, model_cfg, hf_dir, lora = _model(top.get("model"), default["model"])
   sections = {k: _section(cls, top.get(k), k) for k, cls in _SECTIONS.items() if k != "plan"}
-  sections["data"], sections["teacher"] = sections["data"].absolute(), sections["teacher"].absolute()
+  for k in ("data", "teacher", "judge"):
+    sections[k] = sections[k].absolute()
   run = RunConfig(
       seed=_coerce(top.get("seed", default["seed"]), int, "seed"),
       workdir=os.path.abspath(os.path.expanduser(workdir)),  # orbax refuses relative paths
@@ -198,7 +202,7 @@ def load(cd: Any) -> RunConfig:
 def validate(run: RunConfig) -> None:
   """Each section's own rules, then the rules across sections; raises ValueError naming the fields."""
   for section in (run.controller, run.rollout, run.optimizer, run.eval, run.init, run.checkpoint, run.reward,
-                  run.data, run.env, run.faults, run.lora, run.teacher, *([run.plan] if run.plan else [])):
+                  run.data, run.env, run.faults, run.lora, run.teacher, run.judge, *([run.plan] if run.plan else [])):
     section.validate()
   if run.env.name:
     env_registry.get(run.env.name)  # a registered environment or an importable "module:Class"
@@ -233,6 +237,8 @@ def validate(run: RunConfig) -> None:
        "model.lora: a warm start (init.sft_steps) with adapters is not supported yet"),
       (algo.distills == bool(run.teacher.hf_checkpoint), f"algorithm.distill_coef={algo.distill_coef} and "
        f"teacher.hf_checkpoint={run.teacher.hf_checkpoint!r}: a distilling run needs a teacher, and only it"),
+      ((run.reward.name == "judge") == bool(run.judge.hf_checkpoint), f"reward.name={run.reward.name!r} and "
+       f"judge.hf_checkpoint={run.judge.hf_checkpoint!r}: reward.name='judge' needs a judge, and only it reads one"),
   ]
   for ok, msg in checks:
     if not ok:

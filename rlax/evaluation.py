@@ -213,6 +213,8 @@ def evaluate_model(cfg: Any, *, model: Optional[str] = None, checkpoint: Optiona
   pool = builders.verifier_pool(run)
   try:
     reward_fn = builders.reward_fn(run)
+    if run.reward.name == "judge":
+      reward_fn.judge = builders.judge(run, mesh)
     episodes = builders.episodes(run, tok, render, reward_fn, pool)
     try:
       episodes.check_prompts(records)

@@ -26,7 +26,6 @@ activations in the compute dtype; that is not measured here.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Mapping, Optional
 
 import jax
@@ -36,6 +35,7 @@ from jax.sharding import AbstractMesh
 from rlax import builders
 from rlax import models
 from rlax import run as run_lib
+from rlax import topology
 from rlax.config import RunConfig
 from rlax.models import hf
 from rlax.models import moe
@@ -62,7 +62,7 @@ _TIED_LOGIT_COPIES = 3
 _SAMPLING_COPIES = 4
 
 TRAINER_ITEMS = ("params", "opt_state", "grads", "ref_params", "critic", "batch", "activations", "logits")
-SAMPLER_ITEMS = ("weights", "spare_weights", "pristine_base", "kv_cache", "teacher", "scratch")
+SAMPLER_ITEMS = ("weights", "spare_weights", "pristine_base", "kv_cache", "teacher", "judge", "scratch")
 HOST_ITEMS = ("runtime", "checkpoint")
 # The process itself: Python, JAX/XLA and the compiled programs, tokenizer and records (after the warm-up, free
 # pages returned; 1.35 GB measured on the SmolLM2 run).
@@ -121,18 +121,6 @@ class MemoryEstimate:
 
 
 # -- layouts ---------------------------------------------------------------------------------------------
-def abstract_mesh(axes: Mapping[str, int], devices: int, role: str) -> AbstractMesh:
-  """The ('data', 'fsdp', 'tensor') mesh `topology.<role>_mesh` gives on `devices` devices (no devices needed)."""
-  sizes = {"data": 1, "fsdp": 1, "tensor": 1, **dict(axes)}
-  free = [k for k, v in sizes.items() if v == -1]
-  known = math.prod(v for v in sizes.values() if v != -1)
-  if devices < 1 or len(free) > 1 or devices % known or (not free and known != devices):
-    raise ValueError(f"topology.{role}_mesh={dict(axes)} does not fit {devices} {role} device(s)")
-  if free:
-    sizes[free[0]] = devices // known
-  return AbstractMesh(tuple(sizes[a] for a in shd.MESH_AXES), shd.MESH_AXES)
-
-
 def _param_bytes(cfg: models.ModelConfig, mesh: AbstractMesh, itemsize: int, subtree: Optional[str] = None) -> int:
   """Per-device bytes of the parameters (or of one subtree, e.g. 'layers') on `mesh`, `itemsize` bytes each."""
   shapes, shardings = models.init.abstract_params(cfg), models.param_shardings(cfg, mesh)
@@ -239,9 +227,11 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   tied_head = cfg.d_model * vocab * max(isz, dt.itemsize) if cfg.tie_embeddings else 0  # embed.T copy
   decode = layer_w + tied_head + sampling  # the fused per-layer weights live through the decode loop
   teacher, score = _teacher_bytes(run, mesh, isz)
-  scratch = max(prefill, refill, decode, score)
-  which = ("decode" if scratch == decode else "refill" if scratch == refill else "prefill" if scratch == prefill
-           else "the teacher's scoring")
+  judge, judging = _judge_bytes(run, mesh, isz, platform)
+  programs = {"decode": decode, "refill": refill, "prefill": prefill, "the teacher's scoring": score,
+              "the judge's decode": judging}
+  which = max(programs, key=programs.get)  # the first of equals, in this order
+  scratch = programs[which]
   frozen = variation.of(cfg, run.lora).frozen_base  # pushes merge into the sampler's own copy of the base
   kind = "paged pool" if isinstance(layout, layouts.Paged) else "dense"
   slots_note = "rollout.slots = -1: as many as the budget holds" if r.slots == -1 else "rollout.slots"
@@ -254,9 +244,11 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
       "sampler.scratch": f"largest program scratch: {which} (weight copies, sampling buffers, activations)",
       "sampler.teacher": (f"the teacher's weights ({run.teacher.hf_checkpoint}), beside the sampler" if teacher
                           else "none (no teacher)"),
+      "sampler.judge": (f"the judge's weights ({run.judge.hf_checkpoint}) and its KV cache "
+                        f"({builders.judge_slots(run)} slots), beside the sampler" if judge else "none (no judge)"),
   })
   return dict(weights=mem["params"], spare_weights=keep * mem["params"],
-              pristine_base=mem["params"] if frozen else 0, kv_cache=mem["cache"], teacher=teacher,
+              pristine_base=mem["params"] if frozen else 0, kv_cache=mem["cache"], teacher=teacher, judge=judge,
               scratch=int(scratch))
 
 
@@ -273,6 +265,20 @@ def _teacher_bytes(run: RunConfig, mesh: AbstractMesh, isz: int) -> tuple[int, f
   return sizing.weight_bytes(tcfg, mesh), logits + _layer_acts(tcfg, rows * S, S, tensor, isz, _INFER_PER_ELEM)
 
 
+def _judge_bytes(run: RunConfig, mesh: AbstractMesh, isz: int, platform: str) -> tuple[int, float]:
+  """A judging run's judge beside the sampler (rlax.judges): (its weights and KV cache, its decode's scratch: one
+  layer's weights and the sampling buffers), 0s without one."""
+  if run.reward.name != "judge":
+    return 0, 0.0
+  j, slots, tensor = run.judge, builders.judge_slots(run), dict(mesh.shape)["tensor"]
+  jcfg = hf.read_config(j.hf_checkpoint, dtype=run.model.dtype)
+  mem = sizing.sampler_memory(jcfg, make_layout(jcfg, "auto", j.max_prompt_len, j.max_new_tokens, platform=platform),
+                              slots, j.max_prompt_len + j.max_new_tokens, mesh)
+  layer = _param_bytes(jcfg, mesh, max(isz, jcfg.jnp_dtype.itemsize), "layers")
+  sampling = _SAMPLING_COPIES * slots // shd.row_shards(mesh, slots) * _split(jcfg.vocab_size, tensor) * 4
+  return int(mem["params"] + mem["cache"]), layer + sampling
+
+
 def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,
              platform: Optional[str] = None, sampler_budget_bytes: Optional[int] = None) -> MemoryEstimate:
   """Per-device bytes of `run`'s trainer step on `trainer_devices` devices and of its sampler on
@@ -284,8 +290,8 @@ def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,
   if topo.colocated and trainer_devices != sampler_devices:
     raise ValueError(f"topology.colocated=True: trainer_devices={trainer_devices} and sampler_devices="
                      f"{sampler_devices} must be equal (both roles use the same devices)")
-  tmesh = abstract_mesh(topo.trainer_mesh, trainer_devices, "trainer")
-  smesh = abstract_mesh(topo.sampler_mesh, sampler_devices, "sampler")
+  tmesh = topology.abstract_mesh(topo.trainer_mesh, trainer_devices, "trainer")
+  smesh = topology.abstract_mesh(topo.sampler_mesh, sampler_devices, "sampler")
   notes: dict[str, str] = {}
   trainer = _trainer_items(run, tmesh, platform, notes)
   sampler = _sampler_items(run, smesh, platform, notes, sampler_budget_bytes)
@@ -330,7 +336,7 @@ def _trainer_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
 
 def _sampler_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
   s = est.sampler
-  if s["weights"] + s["spare_weights"] + s["pristine_base"] + s["teacher"] >= s["kv_cache"] + s["scratch"]:
+  if sum(s[k] for k in ("weights", "spare_weights", "pristine_base", "teacher", "judge")) >= s["kv_cache"] + s["scratch"]:
     return "shard the sampler's weights (topology.sampler_mesh.tensor > 1) or give it more devices"
   slots = "" if run is None else f" ({run.rollout.decode_slots(run.eval.n_samples)} decode slots)"
   return f"lower rollout.max_new_tokens or rollout.slots{slots}"

@@ -13,10 +13,11 @@ on abstract TPU topology devices (`jax.experimental.topologies.get_topology_desc
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterable, Mapping, Sequence
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 from rlax.models import sharding as msharding
 
@@ -169,6 +170,18 @@ def _mesh(devices: Sequence[Any], axes: Mapping[str, int], role: str) -> Mesh:
     return msharding.make_mesh(devices, **sizes)
   except ValueError as e:
     raise ValueError(f"{role} mesh {sizes} does not fit its {len(devices)} devices: {e}") from None
+
+
+def abstract_mesh(axes: Mapping[str, int], devices: int, role: str) -> AbstractMesh:
+  """The ('data', 'fsdp', 'tensor') mesh `topology.<role>_mesh` gives on `devices` devices (no devices needed)."""
+  sizes = {"data": 1, "fsdp": 1, "tensor": 1, **dict(axes)}
+  free = [k for k, v in sizes.items() if v == -1]
+  known = math.prod(v for v in sizes.values() if v != -1)
+  if devices < 1 or len(free) > 1 or devices % known or (not free and known != devices):
+    raise ValueError(f"topology.{role}_mesh={dict(axes)} does not fit {devices} {role} device(s)")
+  if free:
+    sizes[free[0]] = devices // known
+  return AbstractMesh(tuple(sizes[a] for a in msharding.MESH_AXES), msharding.MESH_AXES)
 
 
 @dataclasses.dataclass(frozen=True)

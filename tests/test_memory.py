@@ -13,6 +13,7 @@ from rlax import builders
 from rlax import config as config_lib
 from rlax import memory
 from rlax import run as run_lib
+from rlax import topology
 from rlax import models
 from rlax.sampler import Temperature, sizing
 from rlax.topology import build_topology
@@ -39,7 +40,7 @@ def _peak(compiled) -> int:
 
 
 def _mesh(run, role, devices):
-  shape = memory.abstract_mesh(getattr(run.topology, f"{role}_mesh"), len(devices), role).shape
+  shape = topology.abstract_mesh(getattr(run.topology, f"{role}_mesh"), len(devices), role).shape
   return models.make_mesh(devices, **dict(shape))
 
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from rlax.envs.base import CALL_OUTCOMES, STOP_REASONS, Environment, StepResult, Turn
 from rlax.models import moe
+from rlax.rewards import results
 from rlax.sampler import concat_outputs
 from rlax.sampler.rows import FINISH_REASONS, SampleOutput
 
@@ -343,7 +344,7 @@ class EpisodeStream:
 def batch_stats(episodes: Sequence[dict]) -> dict[str, float]:
   """Step metrics over episodes: turns, rows and tool calls per episode, the share of each stop reason and call
   outcome, the valid-tool-call rate, the share of appended (not sampled) tokens in the responses, and each of
-  the environments' own metrics (Environment.metrics) averaged over the episodes that report it."""
+  the environments' own metrics (Environment.metrics) averaged over the episodes that report it, and the reward's."""
   n = max(1, len(episodes))
   calls = [c for e in episodes for c in e["calls"]]
   tokens = sum(e["tokens"] for e in episodes)
@@ -355,10 +356,8 @@ def batch_stats(episodes: Sequence[dict]) -> dict[str, float]:
     out[f"env/stop_{s}"] = sum(e["stop"] == s for e in episodes) / n
   for c in CALL_OUTCOMES:
     out[f"env/calls_{c}"] = float(sum(x == c for x in calls))
-  own = [e.get("metrics") or {} for e in episodes]
-  for k in sorted({k for m in own for k in m}):
-    values = [float(m[k]) for m in own if k in m]
-    out[f"env/{k}"] = sum(values) / len(values)
+  out.update(results.mean_fields((e.get("metrics") or {} for e in episodes), "env/"))
+  out.update(results.metrics(e["info"] for e in episodes))  # the reward's own (a judge's)
   return out
 
 

@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from rlax.envs.episodes import FinishedEpisodes
+from rlax.rewards import results
 from rlax.sampler import concat_outputs
 from rlax.sampler.rows import LENGTH
 
@@ -72,9 +73,9 @@ class OneTurnEpisodes:
     return self.stream.timings()
 
   def stats(self, episodes: Sequence[dict]) -> dict[str, float]:
-    """No env/* step metrics: a one-turn episode has no turns, tool calls or appended tokens to count."""
-    del episodes
-    return {}
+    """No env/* step metrics (a one-turn episode has no turns, tool calls or appended tokens to count); the
+    reward's own (`results.metrics`: a judge's)."""
+    return results.metrics(e["info"] for e in episodes)
 
   def _graded(self, finished: Sequence) -> list[FinishedEpisodes]:
     if not finished:

@@ -302,7 +302,10 @@ class VerifierPool:
     return GradeBatch(jobs, self)
 
   def grade(self, fns, completions, records, timeout_s=None, in_process=None) -> list[tuple[float, dict]]:
-    """Blocking `submit(...).results()`."""
+    """Blocking `submit(...).results()`; a reward that grades whole batches in this process (`grade_batch`: a
+    generative judge, rlax.judges) is handed the batch instead."""
+    if callable(getattr(fns, "grade_batch", None)):
+      return fns.grade_batch(list(completions), list(records))
     return self.submit(fns, completions, records, timeout_s, in_process=in_process).results()
 
   def close(self):

@@ -4,6 +4,7 @@ JSON data (a hostile grader cannot make the controller unpickle anything)."""
 from __future__ import annotations
 
 import json
+import numbers
 
 MAX_MESSAGE = 16 << 20  # bytes of one result; a larger one is an error, never read whole
 REPR_CHARS = 1000  # a value JSON has no type for crosses as its repr, cut to this
@@ -18,6 +19,22 @@ def error(e: BaseException | str) -> tuple[float, dict]:
   """The (reward, info) of a grading that failed: reward 0, the reason, `error: True`."""
   text = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
   return 0.0, {"reason": f"grader error: {text}"[:1000], "error": True}
+
+
+def mean_fields(dicts, prefix: str) -> dict[str, float]:
+  """Each numeric field of `dicts`, averaged over the dicts that have it, as `<prefix><field>`."""
+  sums: dict[str, list] = {}
+  for d in dicts:
+    for k, v in d.items():
+      if isinstance(v, numbers.Real):  # numpy scalars too
+        sums.setdefault(k, []).append(float(v))
+  return {f"{prefix}{k}": sum(v) / len(v) for k, v in sorted(sums.items())}
+
+
+def metrics(infos) -> dict[str, float]:
+  """A reward's own per-step numbers: the fields of the infos' `metrics` dicts (a judge's failures, timeouts,
+  throughput), as `reward/<field>`. Callers: the episode streams' stats."""
+  return mean_fields((i.get("metrics") or {} for i in infos if isinstance(i, dict)), "reward/")
 
 
 def _repr(v) -> str:

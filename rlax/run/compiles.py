@@ -1,8 +1,10 @@
 """Compiles in this process, counted from JAX's own compile events (a persistent-cache hit counts too: it is
-still a program the run did not have), so every metrics row can say how many happened since the last."""
+still a program the run did not have), so every metrics row can say how many happened since the last, and the
+log which programs they were."""
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import jax
@@ -10,13 +12,15 @@ import jax
 _EVENT = "/jax/core/compile/backend_compile_duration"
 _lock = threading.Lock()
 _totals = [0, 0.0]  # compiles, seconds
+_names: collections.deque = collections.deque(maxlen=64)  # (compile number, "program on thread"), the newest
 
 
-def _listen(event: str, duration: float, **_) -> None:
+def _listen(event: str, duration: float, fun_name: str = "?", **_) -> None:
   if event == _EVENT:
     with _lock:
       _totals[0] += 1
       _totals[1] += duration
+      _names.append((_totals[0], f"{fun_name} on {threading.current_thread().name}"))
 
 
 jax.monitoring.register_event_duration_secs_listener(_listen)
@@ -26,7 +30,7 @@ class CompileCounter:
   """`delta()` -> (compiles, seconds) since the previous call (or since construction)."""
 
   def __init__(self):
-    self._mark = self.total()
+    self._mark = self._last = self.total()
 
   @staticmethod
   def total() -> tuple[int, float]:
@@ -36,8 +40,13 @@ class CompileCounter:
   def delta(self) -> tuple[int, float]:
     now = self.total()
     out = now[0] - self._mark[0], now[1] - self._mark[1]
-    self._mark = now
+    self._last, self._mark = self._mark, now
     return out
+
+  def names(self) -> list[str]:
+    """The programs the last `delta()` counted (its newest 64): which ones, on which thread."""
+    with _lock:
+      return [name for n, name in _names if self._last[0] < n <= self._mark[0]]
 
 
 class Background:
@@ -55,9 +64,13 @@ class Background:
       self._thread = threading.Thread(target=body, daemon=True, name=name)
       self._thread.start()
 
-  def wait(self) -> None:
+  def join(self) -> None:
+    """Waits for `fn` to end; what it raised stays for `wait`."""
     if self._thread is not None:
       self._thread.join()
       self._thread = None
+
+  def wait(self) -> None:
+    self.join()
     if self._error is not None:
       raise self._error

@@ -131,7 +131,7 @@ class Controller:
     else:
       source = RemoteSource(self.channel)
       source.start(s + len(pending), steps, queue, on_error=queue.close)
-    fault, kept = None, []
+    fault, kept, first = None, [], s
     try:
       while s < steps and not self.preemption.requested:
         self.faults.at_step(s, self.topo)
@@ -157,6 +157,8 @@ class Controller:
         row = step_lib.metrics_row(m, item, sync=sync, skipped=bad is not None, compiles=self.compiles.delta(),
                                    train_s=t2 - t1, wait_s=wait, sync_s=t3 - t2, step_s=t3 - t0,
                                    staleness=s - item.version, dropped=self.dropped + queue.dropped)
+        if row["compiles"] and s > first:  # the warm-up compiles every program a step needs: say which one it missed
+          logging.warning("step %d compiled %s", s, ", ".join(self.compiles.names()))
         if ctl_eval.every and (s + 1) % ctl_eval.every == 0 and s + 1 < steps:  # the held-out curve
           row.update(summary_lib.evaluated(lambda: self.evaluate(f"step {s + 1}"), ctl_eval.n_samples))
         self.metrics.write(s, row)
@@ -242,6 +244,7 @@ class Controller:
       return self._train()
     finally:
       self.preemption.cancel()
+      self._compiling.join()  # nothing of this run compiles after it (another run in the process would count it)
       for part in (self.sampling, self.metrics, self.run_state):
         if part is not None:
           part.close()

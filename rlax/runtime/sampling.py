@@ -16,6 +16,7 @@ from absl import logging
 from rlax import allocator
 from rlax import builders
 from rlax import evaluation
+from rlax import judges
 from rlax.config import RunConfig
 from rlax.data.prompts import PromptRenderer
 from rlax.data.records import Record
@@ -46,12 +47,14 @@ class SamplerRole:
     if extend:  # a multi-turn run compiles its extensions too: many programs
       allocator.check_memory_maps("building the sampler", need=allocator.MULTI_TURN_MAPS)
     parts.sampler.warm_up(parts.weights.latest()[0], builders.sampler_uses(self.run), extend=extend)
+    self.judge(parts)  # loaded and compiled before the first batch too
     allocator.release_free_memory()  # what compiling left free
     allocator.check_memory_maps("the sampler's warm-up")
 
   def evaluate(self, parts, tag: str) -> dict:
     """Held-out pass@k with the newest published weights; sent to the trainer process when there is one."""
     run = self.run
+    self.judge(parts)
     res = evaluation.held_out(self.eval_records, sampler=parts.sampler, render=self.render, reward_fn=self.reward_fn,
                               pool=self.pool, method=builders.eval_method(run), n=run.eval.n_samples,
                               seed=run.seed + 1, weights=parts.weights.latest(), episodes=self.episodes,
@@ -66,8 +69,22 @@ class SamplerRole:
       self._teacher = builders.teacher(self.run, parts.sampler.mesh, self.tokenizer)
     return self._teacher
 
+  def judge(self, parts):
+    """A judging run's judge, beside the sampler (judge.placement="sampler"): loaded and warmed up once per
+    sampler mesh, and handed to the run's reward entry (judges.JudgeReward), which grades through it."""
+    entry = self.reward_fn
+    if not isinstance(entry, judges.JudgeReward):
+      return None
+    if entry.judge is None or entry.judge.engine.mesh is not parts.sampler.mesh:
+      entry.judge = None  # the old mesh's judge goes before the new one loads
+      judge = builders.judge(self.run, parts.sampler.mesh)
+      judge.warm_up()
+      entry.judge = judge
+    return entry.judge
+
   def producer(self, parts, sink: Callable) -> RolloutProducer:
     run = self.run
+    self.judge(parts)
     return RolloutProducer(sampler=parts.sampler, weights=parts.weights, data=self.data, render=self.render,
                            reward_fn=self.reward_fn, grade=self.pool.grade, method=builders.sampling_method(run),
                            rollout=run.rollout, max_staleness=run.controller.max_staleness,

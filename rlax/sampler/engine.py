@@ -72,7 +72,8 @@ class Sampler:
   slots: rows decoded at once (a multiple of every samples_per_prompt used, and of the mesh's row shards).
   decode_chunk: decode steps between admissions (and weight swaps). on_swap: "recompute" or "keep". shrink:
   once no request waits, decode the running rows on fewer slots (dense layout only: the paged pool is not laid
-  out by slot). eos_id (int, ints or None) and stop_sequences end a row. weights: the WeightsService streams
+  out by slot). admit_factor: admissions are padded to 1, f, f^2, ... prompts (a prefill program each: a larger
+  factor compiles fewer of them and pads more). eos_id (int, ints or None) and stop_sequences end a row. weights: the WeightsService streams
   read by default (its own, made empty; params=... publishes version `version` to it).
   """
 
@@ -81,13 +82,15 @@ class Sampler:
                eos_id: Union[int, Sequence[int], None] = None, pad_id: int = 0, decode_chunk: int = 16,
                on_swap: str = "recompute", shrink: bool = True, memory_budget_bytes: Optional[int] = None,
                params: Optional[models.Params] = None, version: int = 0, attention: str = "auto",
-               page_size: Optional[int] = None, weights: Optional[WeightsService] = None):
+               page_size: Optional[int] = None, weights: Optional[WeightsService] = None, admit_factor: int = 2):
     if max_prompt_len < 1 or max_new_tokens < 1:
       raise ValueError(f"max_prompt_len={max_prompt_len} and max_new_tokens={max_new_tokens} must be >= 1")
     if page_size is not None and page_size < 1:
       raise ValueError(f"page_size must be >= 1, got {page_size}")
     if on_swap not in ("recompute", "keep"):
       raise ValueError(f"on_swap must be 'recompute' or 'keep', got {on_swap!r}")
+    if admit_factor < 2:
+      raise ValueError(f"admit_factor must be >= 2, got {admit_factor}")
     if decode_chunk < 1:
       raise ValueError(f"decode_chunk must be >= 1, got {decode_chunk}")
     shards = shd.row_shards(mesh, slots) if mesh is not None else 1
@@ -105,6 +108,7 @@ class Sampler:
     self.paged = isinstance(self.layout, layouts.Paged)
     self.attention = "dense" if not self.paged else "paged_interpret" if self.layout.attention == "interpret" else "paged"
     self.decode_chunk, self.on_swap, self.shrink = decode_chunk, on_swap, shrink and not self.paged
+    self.admit_factor = admit_factor
     self.memory = sizing.sampler_memory(cfg, self.layout, slots, max_prompt_len + max_new_tokens, mesh)
     self.memory["budget"] = sizing.budget_or_default(memory_budget_bytes, self.devices)
     sizing.check({k: v for k, v in self.memory.items() if k != "budget"}, self.memory["budget"], slots,
@@ -128,7 +132,8 @@ class Sampler:
     self._empty_fns: dict[int, Callable] = {}
     # Slot buckets for the tail: slots, slots/4, slots/16 (a decode program each; every one compiled before
     # the first batch by warm_up), down to one whole shard row.
-    self.slot_buckets = [b for b in (slots >> 2 * i for i in range(3)) if b and b % shards == 0][::-1]
+    self.slot_buckets = ([b for b in (slots >> 2 * i for i in range(3)) if b and b % shards == 0][::-1] if self.shrink
+                         else [slots])
     self.weights = weights if weights is not None else WeightsService()
     if params is not None:
       self.update_weights(params, version)
@@ -284,7 +289,7 @@ class Sampler:
 
   def group_buckets(self, samples: int) -> tuple[int, ...]:
     """Prompt counts an admission of groups of `samples` rows is padded to (one prefill and admit program each)."""
-    return prompts_lib.pow2_buckets(1, self.slots // samples)
+    return prompts_lib.pow_buckets(1, self.slots // samples, self.admit_factor)
 
   def decode(self, params, st, version, strategy):
     """One chunk: up to `decode_chunk` decode steps."""
