@@ -33,7 +33,7 @@ def get_config(arg: str | None = None):
   c.reward.name = "judge"
   c.judge.update(hf_checkpoint=os.path.expanduser("~/.cache/smollm2-135m-instruct"), template=TEMPLATE,
                  rubric="Is the reply's number equal to the reference answer?", verdict="label", labels="yes=1,no=0",
-                 max_prompt_len=160, max_new_tokens=4)
+                 max_prompt_len=160, max_new_tokens=8)
   if arg == "smoke":
     c.workdir = "runs/smollm2_judge_smoke"
     c.controller.steps = 1

@@ -239,6 +239,11 @@ def validate(run: RunConfig) -> None:
        f"teacher.hf_checkpoint={run.teacher.hf_checkpoint!r}: a distilling run needs a teacher, and only it"),
       ((run.reward.name == "judge") == bool(run.judge.hf_checkpoint), f"reward.name={run.reward.name!r} and "
        f"judge.hf_checkpoint={run.judge.hf_checkpoint!r}: reward.name='judge' needs a judge, and only it reads one"),
+      (run.reward.name != "judge" or (run.reward.answer == "auto" and not run.reward.format_weight
+                                      and run.rollout.slots != -1),
+       f"reward.name='judge' reads neither reward.answer={run.reward.answer!r} nor reward.format_weight="
+       f"{run.reward.format_weight}, and needs rollout.slots sized (not -1: free memory is measured before the "
+       "judge loads)"),
   ]
   for ok, msg in checks:
     if not ok:

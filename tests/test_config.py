@@ -22,7 +22,7 @@ CONFIGS = [("base", None), ("demo", None), ("demo", "smoke"), ("demo", "tiny"),
                                         "gspo", "cispo", "ppo")],
            ("paper_qwq32b", None), ("paper_qwq32b", "32k"), ("paper_qwq32b", "tiny"), ("v5p_128", None),
            ("v5p_128", "tiny"), ("v5p_512", None), ("v5p_512", "tiny"), ("smollm2", None), ("smollm2", "smoke"), ("smollm2", "lora"),
-           ("smollm2_distill", None), ("smollm2_distill", "smoke"),
+           ("smollm2_distill", None), ("smollm2_distill", "smoke"), ("smollm2_judge", None), ("smollm2_judge", "smoke"),
            ("calculator_tool", None), ("calculator_tool", "control"), ("calculator_tool", "smoke"),
            ("search_tool", None), ("search_tool", "control"), ("search_tool", "smoke"),
            ("reasoning_gym", None), ("reasoning_gym", "smoke"), ("demo", "tiny_moe"), ("smollm2_moe", None),
@@ -43,6 +43,8 @@ def test_config_loads_and_validates(name, arg, tmp_path):
     cd.model.hf_checkpoint = str(tmp_path)
   if cd.teacher.hf_checkpoint:  # and the teacher: the same directory
     cd.teacher.hf_checkpoint = str(tmp_path)
+  if cd.judge.hf_checkpoint:  # and the judge
+    cd.judge.hf_checkpoint = str(tmp_path)
   run = config_lib.load(cd)
   assert os.path.isabs(run.workdir)
   assert run.algorithm.name in algorithms.known_algorithms()

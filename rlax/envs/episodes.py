@@ -357,7 +357,7 @@ def batch_stats(episodes: Sequence[dict]) -> dict[str, float]:
   for c in CALL_OUTCOMES:
     out[f"env/calls_{c}"] = float(sum(x == c for x in calls))
   out.update(results.mean_fields((e.get("metrics") or {} for e in episodes), "env/"))
-  out.update(results.metrics(e["info"] for e in episodes))  # the reward's own (a judge's)
+  out.update(results.metrics(e.get("info") for e in episodes))  # the reward's own (a judge's)
   return out
 
 

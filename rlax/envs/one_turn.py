@@ -75,7 +75,7 @@ class OneTurnEpisodes:
   def stats(self, episodes: Sequence[dict]) -> dict[str, float]:
     """No env/* step metrics (a one-turn episode has no turns, tool calls or appended tokens to count); the
     reward's own (`results.metrics`: a judge's)."""
-    return results.metrics(e["info"] for e in episodes)
+    return results.metrics(e.get("info") for e in episodes)
 
   def _graded(self, finished: Sequence) -> list[FinishedEpisodes]:
     if not finished:

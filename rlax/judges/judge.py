@@ -22,8 +22,10 @@ from rlax.judges import verdicts
 from rlax.judges.config import JudgeConfig
 from rlax.models import hf
 from rlax.sampler import Sampler, strategies
+from rlax.sampler.rows import LENGTH
 
 CUT = " [...]"  # marks a reply cut to fit the judge's prompt
+CHARS_PER_TOKEN = 16  # a reply is cut to max_prompt_len x this many characters before it is tokenized at all
 LOG_CHARS = 2000  # of a reply and of a verdict, in the sample log
 
 
@@ -65,8 +67,12 @@ class Judge:
   def prompt(self, reply: str, record) -> tuple[list[int], bool]:
     """(the judge's prompt ids for `reply` to `record`, whether the reply was cut to fit); ids longer than
     `max_prompt_len` (a question too long on its own) come back as they are, for the caller to refuse."""
+    answer = getattr(record, "answer", None)
     values = dict(rubric=self.config.rubric, question=question_of(record),
-                  reference=str(getattr(record, "answer", "") or ""))
+                  reference="" if answer is None else str(answer))
+    # the default template's delimiters, written by the reply, would close its quote early
+    reply = reply[:self.config.max_prompt_len * CHARS_PER_TOKEN].replace("<reply>", "< reply>").replace(
+        "</reply>", "</ reply>")
     ids_of = lambda r: self.render.prompt([{"role": "user", "content": verdicts.fill(self.template, reply=r,
                                                                                        **values)}])
     ids = ids_of(reply)
@@ -93,24 +99,27 @@ class Judge:
       else:
         prompts.append((i, ids))
       cuts.append(cut)
-    with self._lock:
-      verdict_texts = self._generate([ids for _, ids in prompts], t0 + self.config.timeout_s)
-    for (i, _), said in zip(prompts, verdict_texts):
-      if said is None:
-        out[i] = self._result(0.0, "", timeout=True, reason=f"not judged within judge.timeout_s="
-                              f"{self.config.timeout_s}")
-      else:
-        reward, ok = self.parser.parse(said)
-        out[i] = self._result(reward, said, failed=not ok, reason="" if ok else "unparseable verdict")
-    rate = len(texts) / max(time.perf_counter() - t0, 1e-9)
-    for (reward, info), cut in zip(out, cuts):
-      info["metrics"].update(judge_cut=float(cut), judged_per_s=rate)
-    self._log(texts, records, out)
-    self.batches += 1
+    with self._lock:  # the deadline runs from here: a batch waiting for another is not late
+      verdicts_ = self._generate([ids for _, ids in prompts], time.perf_counter() + self.config.timeout_s)
+      for (i, _), said in zip(prompts, verdicts_):
+        if said is None:
+          out[i] = self._result(0.0, "", timeout=True, reason=f"not judged within judge.timeout_s="
+                                f"{self.config.timeout_s}")
+        elif said[1]:  # stopped by max_new_tokens: what it was about to say may change the verdict (or quote the reply)
+          out[i] = self._result(0.0, said[0], failed=True, reason="the verdict ran past judge.max_new_tokens")
+        else:
+          reward, ok = self.parser.parse(said[0])
+          out[i] = self._result(reward, said[0], failed=not ok, reason="" if ok else "unparseable verdict")
+      rate = len(texts) / max(time.perf_counter() - t0, 1e-9)
+      for (reward, info), cut in zip(out, cuts):
+        info["metrics"].update(judge_cut=float(cut), judged_per_s=rate)
+      self._log(texts, records, out)
+      self.batches += 1
     return out
 
-  def _generate(self, prompts: list[list[int]], deadline: float) -> list[Optional[str]]:
-    """Greedy verdicts of `prompts` (None: not finished by `deadline`, perf_counter seconds)."""
+  def _generate(self, prompts: list[list[int]], deadline: float) -> list[Optional[tuple[str, bool]]]:
+    """(greedy verdict, whether max_new_tokens stopped it) of each of `prompts` (None: not finished by
+    `deadline`, perf_counter seconds)."""
     if not prompts:
       return []
     stream = self.engine.stream(strategies.Greedy())
@@ -118,7 +127,8 @@ class Judge:
     done = {}
     while stream.pending and time.perf_counter() < deadline:
       for g in stream.step():
-        done[g.tag] = self.tokenizer.decode(g.out.tokens[0][:int(g.out.lengths[0])])
+        done[g.tag] = (self.tokenizer.decode(g.out.tokens[0][:int(g.out.lengths[0])]),
+                       int(g.out.finish_reason[0]) == LENGTH)
     return [done.get(i) for i in range(len(prompts))]
 
   @staticmethod

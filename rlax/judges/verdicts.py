@@ -5,8 +5,9 @@
 
 The judge writes the verdict; the policy wrote the reply the judge read, and may have written a verdict-like
 line into it, which a judge that echoes its input would repeat: the parser reads the judge's output only, and the
-last verdict in it (a judge states its verdict at the end). Unparseable output is (0.0, False): a counted failure,
-never an exception. Every scan is linear in the output (no backtracking patterns, a bounded JSON scan).
+last verdict in it (a judge states its verdict at the end), and a number only after "score" or standing
+alone; a verdict cut at the judge's token budget is a failure (`Judge`). Unparseable output is (0.0, False): a
+counted failure, never an exception. Every scan is linear in the output (no backtracking, a bounded JSON scan).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ PLACEHOLDERS = ("rubric", "question", "reply", "reference")
 _FIELD = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 _SCORE = re.compile(r"score", re.I)
+_ALONE = re.compile(r"([-+]?\d+(?:\.\d+)?)(?:\s*/\s*\d+)?\.?")
 MAX_JSON_SCAN = 64  # '{' positions tried, from the end
 
 
@@ -75,11 +77,14 @@ class Parser:
                              re.I) if self.labels else None
 
   def parse(self, text: str) -> tuple[float, bool]:
-    if self.mode == "number":
-      return self._number(text)
-    if self.mode == "label":
-      return self._word(text)
-    return self._json(text)
+    try:
+      if self.mode == "number":
+        return self._number(text)
+      if self.mode == "label":
+        return self._word(text)
+      return self._json(text)
+    except (ValueError, OverflowError, RecursionError):  # a number too large for a float, and the like
+      return 0.0, False
 
   def _scaled(self, x: float) -> tuple[float, bool]:
     if not math.isfinite(x):
@@ -91,34 +96,29 @@ class Parser:
     after = _NUMBER.findall(text[marks[-1]:]) if marks else []
     if after:  # "Score: 7/10": the first number after the last "score"
       return self._scaled(float(after[0]))
-    found = _NUMBER.findall(text)  # else the last number written
-    return self._scaled(float(found[-1])) if found else (0.0, False)
+    alone = _ALONE.fullmatch(text.strip())  # else only a bare number: a number inside prose may be the reply's
+    return self._scaled(float(alone.group(1))) if alone else (0.0, False)
 
   def _word(self, text: str) -> tuple[float, bool]:
     hits = self._label.findall(text) if self._label else []
     return (self.labels[hits[-1].lower()], True) if hits else (0.0, False)
 
   def _json(self, text: str) -> tuple[float, bool]:
-    decoder = json.JSONDecoder()
-    starts = [i for i, c in enumerate(text) if c == "{"][-MAX_JSON_SCAN:]
-    for i in reversed(starts):
+    decoder, last = json.JSONDecoder(), None
+    for i in [i for i, c in enumerate(text) if c == "{"][-MAX_JSON_SCAN:]:
       try:
-        obj, _ = decoder.raw_decode(text, i)
+        obj, end = decoder.raw_decode(text, i)
       except (ValueError, RecursionError):
         continue
-      if isinstance(obj, dict) and self.field in obj:
-        v = obj[self.field]
-        if isinstance(v, bool):
-          return float(v), True
-        if isinstance(v, (int, float)):
-          return self._scaled(float(v))
-        if isinstance(v, str):
-          low = v.strip().lower()
-          if low in self.labels:
-            return self.labels[low], True
-          try:
-            return self._scaled(float(low))
-          except ValueError:
-            return 0.0, False
-        return 0.0, False
-    return 0.0, False
+      if isinstance(obj, dict) and self.field in obj and (last is None or end > last[0]):
+        last = end, obj[self.field]  # the object that ends last (an outer one over those inside it)
+    if last is None:
+      return 0.0, False
+    v = last[1]
+    if isinstance(v, bool):
+      return float(v), True
+    if isinstance(v, (int, float)):
+      return self._scaled(float(v))
+    if isinstance(v, str) and v.strip().lower() in self.labels:
+      return self.labels[v.strip().lower()], True
+    return self._scaled(float(v.strip())) if isinstance(v, str) else (0.0, False)

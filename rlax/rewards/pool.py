@@ -305,7 +305,13 @@ class VerifierPool:
     """Blocking `submit(...).results()`; a reward that grades whole batches in this process (`grade_batch`: a
     generative judge, rlax.judges) is handed the batch instead."""
     if callable(getattr(fns, "grade_batch", None)):
-      return fns.grade_batch(list(completions), list(records))
+      if len(completions) != len(records):
+        raise ValueError(f"{len(completions)} completions but {len(records)} records")
+      try:
+        return fns.grade_batch(list(completions), list(records))
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("reward %r failed on a batch of %d: %s", fns, len(records), e)
+        return [results.error(e)] * len(records)
     return self.submit(fns, completions, records, timeout_s, in_process=in_process).results()
 
   def close(self):

@@ -34,7 +34,8 @@ def mean_fields(dicts, prefix: str) -> dict[str, float]:
 def metrics(infos) -> dict[str, float]:
   """A reward's own per-step numbers: the fields of the infos' `metrics` dicts (a judge's failures, timeouts,
   throughput), as `reward/<field>`. Callers: the episode streams' stats."""
-  return mean_fields((i.get("metrics") or {} for i in infos if isinstance(i, dict)), "reward/")
+  return mean_fields((i["metrics"] for i in infos if isinstance(i, dict) and isinstance(i.get("metrics"), dict)),
+                     "reward/")
 
 
 def _repr(v) -> str:

@@ -82,3 +82,21 @@ def test_replies_past_the_deadline_get_zero_and_are_counted(tmp_path):
   graded = judge.grade(None, ["four", "hi"], RECORDS)
   assert [r for r, _ in graded] == [0.0, 0.0]
   assert all(i["metrics"]["judge_timeout"] == 1.0 for _, i in graded)
+
+
+def test_a_verdict_cut_at_the_token_budget_is_a_failure(tmp_path):
+  judges_harness.programmed(tmp_path, "four", RECORDS[0], template=TEMPLATE)  # "four" is two tokens, then eos
+  (reward, info), = _judge(tmp_path, max_new_tokens=1).grade(None, ["four"], [RECORDS[0]])
+  assert reward == 0.0 and info["metrics"]["judge_failed"] == 1.0 and "max_new_tokens" in info["reason"]
+
+
+def test_a_judge_that_raises_gives_zeros_not_a_crash():
+  class Broken:
+    def grade_batch(self, texts, records):
+      raise RuntimeError("device lost")
+  pool = VerifierPool(num_workers=1)
+  try:
+    graded = pool.grade(Broken(), ["a", "b"], RECORDS)
+  finally:
+    pool.close()
+  assert [r for r, _ in graded] == [0.0, 0.0] and all(i["error"] and "device lost" in i["reason"] for _, i in graded)

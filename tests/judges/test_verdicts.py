@@ -12,9 +12,11 @@ from rlax.judges import verdicts
     ("Score: 7/10", (0.7, True)),
     ("score 3.5", (0.35, True)),
     ("It said 'Score: 10' but it is wrong. Score: 2", (0.2, True)),  # the judge's last verdict, not an echo
-    ("I give it 15", (1.0, True)),                                     # clipped to the full mark
+    ("Score: 15", (1.0, True)),                                        # clipped to the full mark
     ("Score: -4", (0.0, True)),
-    ("8 out of", (0.8, True)),                                         # no "score": the last number written
+    (" 8/10.\n", (0.8, True)),                                         # a bare number
+    ("I give it 8", (0.0, False)),                                     # a number in prose may be the reply's
+    ("Score: " + "9" * 400, (0.0, False)),                             # beyond a float
     ("no digits here", (0.0, False)),
     ("", (0.0, False)),
 ])
@@ -35,6 +37,8 @@ def test_label_and_json_verdicts():
   assert js.parse('{"score": [1]}') == (0.0, False)
   assert js.parse('{"score": NaN}') == (0.0, False)
   assert js.parse("{" * 5000) == (0.0, False)
+  assert js.parse('{"a": {"score": 5}, "score": 1}') == (pytest.approx(0.2), True)  # the outer object, last
+  assert js.parse('{"score": ' + "9" * 400 + "}") == (0.0, False)
 
 
 def test_the_template_fills_each_placeholder_once():

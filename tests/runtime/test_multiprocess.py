@@ -41,7 +41,8 @@ def _checkpoints(workdir):
   return [x for x in os.listdir(d) if x.isdigit()] if os.path.isdir(d) else []
 
 
-@pytest.mark.parametrize("victim", [0, 1])
+# The trainer's process is killed (a lost sampler process is tests/test_multihost.py's, under the same supervisor).
+@pytest.mark.parametrize("victim", [0])
 def test_two_process_run_survives_a_kill_and_equals_one_process(tmp_path, reference, victim):
   workdir = tmp_path / "run"
   over = [f"--config.{k}={v}" for k, v in OVER.items()]

@@ -77,9 +77,12 @@ def _objective(params, algo, batch, micro_batches):
   return loss, reduce_metrics(stacked, loss, jnp.zeros(()), jnp.zeros(())), grads
 
 
-@pytest.mark.parametrize("shared", [True, False], ids=["shared-prompts", "distinct-prompts"])
-@pytest.mark.parametrize("name,kw", [a for a in _algorithms() if a[0] != "ppo"], ids=lambda a: str(a))
-def test_objective_packed_equals_padded(params, shared, name, kw):
+# Shared prompts (their segments packed once) for every algorithm; distinct ones pack the same way for any
+# algorithm: a token-level, a sequence-level and a returns-based one.
+@pytest.mark.parametrize("name,kw,shared", [(n, kw, True) for n, kw in _algorithms() if n != "ppo"] +
+                         [("grpo", {}, False), ("gspo", {}, False), ("reinforce_pp", {}, False)],
+                         ids=lambda a: str(a))
+def test_objective_packed_equals_padded(params, name, kw, shared):
   algo = A.get_algorithm(name, **kw)
   padded = mixed_batch(params, shared=shared)
   packed = packing.pack_tokens(padded, ROW_LEN, share_prompts=True, row_multiple=2)
@@ -93,9 +96,10 @@ def test_objective_packed_equals_padded(params, shared, name, kw):
   assert float(jnp.abs(jax.tree.leaves(want[2])[0]).sum()) > 0  # the gradient is not trivially zero
 
 
-# End to end for every registered algorithm (the variants' objectives are covered above) and PPO's KL reward.
-@pytest.mark.parametrize("name,kw", [(n, {}) for n in A.known_algorithms()] + [("ppo", dict(kl_coef=0.05,
-                         kl_in_reward=True))], ids=lambda a: str(a))
+# The step end to end where it differs by algorithm (each algorithm's advantages and loss are covered above): a
+# group-normalized one, PPO's value model (and its KL reward) and a distilling one's teacher log-probs.
+@pytest.mark.parametrize("name,kw", [("grpo", {}), ("ppo", {}), ("ppo", dict(kl_coef=0.05, kl_in_reward=True)),
+                                     ("distill", {})], ids=lambda a: str(a))
 def test_trainer_step_packed_equals_padded(params, name, kw):
   """Trainer.step end to end (advantages, PPO's value model and GAE, metrics, the AdamW update) on 2 devices."""
   algo = A.get_algorithm(name, **kw)
