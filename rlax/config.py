@@ -9,8 +9,8 @@ field that no code reads does not exist, and an unknown field in the ConfigDict 
 
 Where each section lives: init, optimizer: rlax.trainer.config; rollout: rlax.rollout.config; controller, eval,
 checkpoint, faults: rlax.runtime.config; data: rlax.data.config; reward: rlax.rewards.config; env: rlax.envs.config;
-teacher: rlax.teachers.config; judge: rlax.judges.config; plan: rlax.planning_config; topology: rlax.topology; algorithm:
-rlax.algorithms.registry; model: rlax.models (model.lora: rlax.models.lora).
+teacher: rlax.teachers.config; judge: rlax.judges.config; plan: rlax.planning_config; topology: rlax.topology;
+algorithm: rlax.algorithms.registry; model: rlax.models (model.lora: rlax.models.lora).
 """
 
 from __future__ import annotations

@@ -336,7 +336,8 @@ def _trainer_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
 
 def _sampler_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
   s = est.sampler
-  if sum(s[k] for k in ("weights", "spare_weights", "pristine_base", "teacher", "judge")) >= s["kv_cache"] + s["scratch"]:
+  resident = sum(s[k] for k in ("weights", "spare_weights", "pristine_base", "teacher", "judge"))
+  if resident >= s["kv_cache"] + s["scratch"]:
     return "shard the sampler's weights (topology.sampler_mesh.tensor > 1) or give it more devices"
   slots = "" if run is None else f" ({run.rollout.decode_slots(run.eval.n_samples)} decode slots)"
   return f"lower rollout.max_new_tokens or rollout.slots{slots}"

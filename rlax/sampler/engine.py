@@ -73,8 +73,9 @@ class Sampler:
   decode_chunk: decode steps between admissions (and weight swaps). on_swap: "recompute" or "keep". shrink:
   once no request waits, decode the running rows on fewer slots (dense layout only: the paged pool is not laid
   out by slot). admit_factor: admissions are padded to 1, f, f^2, ... prompts (a prefill program each: a larger
-  factor compiles fewer of them and pads more). eos_id (int, ints or None) and stop_sequences end a row. weights: the WeightsService streams
-  read by default (its own, made empty; params=... publishes version `version` to it).
+  factor compiles fewer of them and pads more). eos_id (int, ints or None) and stop_sequences end a row.
+  weights: the WeightsService streams read by default (its own, made empty; params=... publishes version
+  `version` to it).
   """
 
   def __init__(self, cfg: models.ModelConfig, mesh: Optional[Mesh] = None, *, max_prompt_len: int,
