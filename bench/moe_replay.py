@@ -63,13 +63,14 @@ def _own_routes(params, cfg, batch):
   each row's real tokens."""
   from rlax.models import moe
   from rlax.sampler import step
+  from rlax.sampler.params import fuse
   mask = np.asarray(batch.input_mask)
   B, T = mask.shape
   n = mask.sum(1)
   seq = np.zeros((B, int(n.max())), np.int32)
   for b in range(B):
     seq[b, :n[b]] = np.asarray(batch.tokens[b])[mask[b]]
-  fwd = jax.jit(lambda p, s, c: step.forward(p, cfg, s, jnp.zeros_like(c), c)[3])
+  fwd = jax.jit(lambda p, s, c: step.forward(fuse(p, cfg, stacked=False), cfg, s, jnp.zeros_like(c), c)[3])
   chosen = np.moveaxis(np.asarray(fwd(params, jnp.asarray(seq), jnp.asarray(n, jnp.int32))), 0, 2)  # [B, Tc, L, k]
   out = np.full((B, T, *chosen.shape[2:]), moe.NO_ROUTE, np.uint8)
   for b in range(B):

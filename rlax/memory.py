@@ -42,6 +42,7 @@ from rlax.models import moe
 from rlax.models import sharding as shd
 from rlax.models import variation
 from rlax.sampler import layouts, sizing
+from rlax.sampler import params as params_lib
 from rlax.sampler.engine import make_layout
 
 GIB = 2 ** 30
@@ -62,7 +63,7 @@ _TIED_LOGIT_COPIES = 3
 _SAMPLING_COPIES = 4
 
 TRAINER_ITEMS = ("params", "opt_state", "grads", "ref_params", "critic", "batch", "activations", "logits")
-SAMPLER_ITEMS = ("weights", "spare_weights", "pristine_base", "kv_cache", "teacher", "judge", "scratch")
+SAMPLER_ITEMS = ("weights", "spare_weights", "pristine_base", "fused", "kv_cache", "teacher", "judge", "scratch")
 HOST_ITEMS = ("runtime", "checkpoint")
 # The process itself: Python, JAX/XLA and the compiled programs, tokenizer and records (after the warm-up, free
 # pages returned; 1.35 GB measured on the SmolLM2 run).
@@ -216,16 +217,18 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   keep = run_lib.versions_kept(run)
   isz = _act_itemsize(cfg, platform)
   layer_w = _param_bytes(cfg, mesh, max(isz, dt.itemsize), "layers")  # per-layer slices (f32 on CPU)
+  copied = params_lib.joined(platform) or not cfg.scan_layers  # the engine's `fused` copies the layers
   vocab = _split(cfg.vocab_size, tensor)
   sampling = _SAMPLING_COPIES * b * vocab * 4
   groups = min(r.samples_per_prompt, run.eval.n_samples)
   prompts = max(1, b // groups)  # distinct prompts one prefill runs
-  prefill = (layer_w + sizing.recompute_bytes(cfg, prompts, r.max_prompt_len) + sampling
+  prefill = (sizing.recompute_bytes(cfg, prompts, r.max_prompt_len) + sampling
              + _layer_acts(cfg, prompts * r.max_prompt_len, r.max_prompt_len, tensor, isz, _INFER_PER_ELEM))
   # A weight swap recomputes every slot's cache (sampler.slots.recompute); the engine streams across versions.
-  refill = layer_w + mem["transient"] + _layer_acts(cfg, b * S, S, tensor, isz, _INFER_PER_ELEM)
+  refill = mem["transient"] + _layer_acts(cfg, b * S, S, tensor, isz, _INFER_PER_ELEM)
   tied_head = cfg.d_model * vocab * max(isz, dt.itemsize) if cfg.tie_embeddings else 0  # embed.T copy
-  decode = layer_w + tied_head + sampling  # the fused per-layer weights live through the decode loop
+  fused = (layer_w if copied else 0) + tied_head  # every program's weights, made once per version
+  decode = sampling
   teacher, score = _teacher_bytes(run, mesh, isz)
   judge, judging = _judge_bytes(run, mesh, isz, platform)
   programs = {"decode": decode, "refill": refill, "prefill": prefill, "the teacher's scoring": score,
@@ -241,15 +244,18 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
       "sampler.pristine_base": ("LoRA: the base every pushed version of the adapters merges into (compute dtype)"
                                 if frozen else "none (no adapters)"),
       "sampler.kv_cache": f"{b} slots x {S} tokens per device ({B} slots: {slots_note}; {kind} layout)",
-      "sampler.scratch": f"largest program scratch: {which} (weight copies, sampling buffers, activations)",
+      "sampler.fused": ("the weights as the sampler's programs read them (per layer" + (", q|k|v and gate|up joined"
+                        if params_lib.joined(platform) else "") + (", the tied head transposed" if tied_head else "")
+                        + "): one copy per version in use" if fused else "none (the programs read the stored weights)"),
+      "sampler.scratch": f"largest program scratch: {which} (sampling buffers, activations)",
       "sampler.teacher": (f"the teacher's weights ({run.teacher.hf_checkpoint}), beside the sampler" if teacher
                           else "none (no teacher)"),
       "sampler.judge": (f"the judge's weights ({run.judge.hf_checkpoint}) and its KV cache "
                         f"({builders.judge_slots(run)} slots), beside the sampler" if judge else "none (no judge)"),
   })
   return dict(weights=mem["params"], spare_weights=keep * mem["params"],
-              pristine_base=mem["params"] if frozen else 0, kv_cache=mem["cache"], teacher=teacher, judge=judge,
-              scratch=int(scratch))
+              pristine_base=mem["params"] if frozen else 0, fused=int(fused), kv_cache=mem["cache"], teacher=teacher,
+              judge=judge, scratch=int(scratch))
 
 
 def _teacher_bytes(run: RunConfig, mesh: AbstractMesh, isz: int) -> tuple[int, float]:
@@ -336,7 +342,7 @@ def _trainer_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
 
 def _sampler_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
   s = est.sampler
-  resident = sum(s[k] for k in ("weights", "spare_weights", "pristine_base", "teacher", "judge"))
+  resident = sum(s[k] for k in ("weights", "spare_weights", "pristine_base", "fused", "teacher", "judge"))
   if resident >= s["kv_cache"] + s["scratch"]:
     return "shard the sampler's weights (topology.sampler_mesh.tensor > 1) or give it more devices"
   slots = "" if run is None else f" ({run.rollout.decode_slots(run.eval.n_samples)} decode slots)"

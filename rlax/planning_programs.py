@@ -92,7 +92,8 @@ def build_sampler(c: config_lib.RunConfig, mesh: Mesh, slots: int, scan: bool | 
 def sampler_lowerings(c: config_lib.RunConfig, sampler: Sampler) -> list[Lowering]:
   """The prefill and admission of a full admission (`group_buckets(G)[-1]` groups) for the rollout's group size
   G (`sampler_prefill`, `sampler_admit`) and for each other group size the run samples with that admits more
-  prompts at once (`sampler_prefill[<groups>x<samples>]`: evaluation, greedy evaluation), then the decode chunk
+  prompts at once (`sampler_prefill[<groups>x<samples>]`: evaluation, greedy evaluation), the weights as every
+  program reads them, made once per pushed version (`sampler_fuse`), then the decode chunk
   over all slots with the rollout's sampling method (`sampler_decode`) and, with rollout.on_swap="recompute", the
   recompute of every slot's cache after a weight swap (`sampler_recompute`)."""
   r, cfg = c.rollout, c.model
@@ -113,6 +114,7 @@ def sampler_lowerings(c: config_lib.RunConfig, sampler: Sampler) -> list[Lowerin
                      model_flops(cfg, q * r.max_prompt_len, r.max_prompt_len // 2) / n, shape),
             Lowering(f"sampler_admit{tag}", lambda a=admit: a()["admit"], shape=shape)]
   seq = r.max_prompt_len + r.max_new_tokens
+  out.append(Lowering("sampler_fuse", sampler.lower_fuse))  # every program's weights, once per version
   out.append(Lowering("sampler_decode", lambda: sampler.lower_decode(strategy),
                       model_flops(cfg, sampler.slots, seq) / n, dict(slots=sampler.slots)))
   if r.on_swap == "recompute":  # a forward over every slot's whole context after each weight swap

@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import weakref
 from typing import Callable, Optional, Sequence, Union
 
 import jax
@@ -122,9 +123,15 @@ class Sampler:
     self._prefills: dict[int, Callable] = {}
     self._admit = self._jit("admit", functools.partial(slots_lib.admit, **lay, **statics), static=("strategy",),
                             donate=(0,))
-    self._decode = self._jit("decode", functools.partial(slots_lib.decode_chunk, cfg=cfg, **lay, **statics,
-                                                                concat=platform == "cpu"),
+    self._decode = self._jit("decode", functools.partial(slots_lib.decode_chunk, cfg=cfg, **lay, **statics),
                              static=("strategy",), donate=(1,))
+    # Every program's weights (q|k|v and gate|up joined on CPU, per-layer, the head transposed), made once per
+    # weights version: made inside every call they cost a copy of the weights per decode chunk and admission
+    # (~0.25 s for SmolLM2 on 2 CPU cores, more than a decode step), which made short chunks dear.
+    self._fuse = self._jit("fuse", functools.partial(params_lib.made, cfg=cfg, stacked=cfg.scan_layers,
+                                                     concat=params_lib.joined(platform)))
+    self._fused: tuple = ((), None)  # (weak references to the leaves of the params fused, the fused weights)
+    self._abstract_fused = None
     self._recompute = self._jit("recompute", functools.partial(slots_lib.recompute, cfg=cfg, **lay), donate=(1,))
     self._extend = self._jit("extend", functools.partial(slots_lib.extend, cfg=cfg, **lay), donate=(1,))
     self._gather = self._jit("shrink", slots_lib.gather)
@@ -226,7 +233,7 @@ class Sampler:
   def prefill(self, params, prompt, n_prompt):
     """Distinct prompts [Q, P] (right-padded) → keys, values [L, Q, P, K, Dh], next-token logits [Q, V], the
     prompts' experts [L, Q, P, k] (None unless the model replays routes)."""
-    return self._prefill(prompt.shape[0])(params, prompt, n_prompt)
+    return self._prefill(prompt.shape[0])(self.fused(params), prompt, n_prompt)
 
   def admit(self, st, prefilled, prompt, n_prompt, slot_ids, which, keys, limits, version, strategy):
     return self._admit(st, *prefilled, prompt, n_prompt, slot_ids, which, keys, limits, version, strategy=strategy)
@@ -292,15 +299,28 @@ class Sampler:
     """Prompt counts an admission of groups of `samples` rows is padded to (one prefill and admit program each)."""
     return prompts_lib.pow_buckets(1, self.slots // samples, self.admit_factor)
 
-  def decode(self, params, st, version, strategy):
-    """One chunk: up to `decode_chunk` decode steps."""
-    return self._decode(params, st, np.int32(version), np.int32(self.decode_chunk), strategy=strategy)
+  def fused(self, params):
+    """`params` laid out for the decode step, made on first use of these params and kept until other params
+    come (weak references: a version the weights service dropped is not kept alive by this)."""
+    refs, fused = self._fused
+    leaves = jax.tree.leaves(params)
+    if len(refs) != len(leaves) or any(r() is not x for r, x in zip(refs, leaves)):
+      self._fused = ((), None)  # the old copy goes before the new one is made
+      with self.ctx():
+        fused = params_lib.assemble(params, self._fuse(params))
+      self._fused = (tuple(weakref.ref(x) for x in leaves), fused)
+    return fused
+
+  def decode(self, params, st, version, strategy, stop_at: int = 0):
+    """One chunk: up to `decode_chunk` decode steps, ending once at most `stop_at` slots are running."""
+    return self._decode(self.fused(params), st, np.int32(version), np.int32(self.decode_chunk), np.int32(stop_at),
+                        strategy=strategy)
 
   def recompute(self, params, st):
-    return self._recompute(params, st)
+    return self._recompute(self.fused(params), st)
 
   def extend(self, params, st, slot_ids, append, n_append, limits, stop_ids, version):
-    return self._extend(params, st, slot_ids, append, n_append, limits, stop_ids, np.int32(version))
+    return self._extend(self.fused(params), st, slot_ids, append, n_append, limits, stop_ids, np.int32(version))
 
   def cancel(self, st, mask):
     return self._cancel(st, mask)
@@ -331,12 +351,28 @@ class Sampler:
     """The decode chunk `Stream.step` runs, lowered on `abstract_state(slots)`."""
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     with self.ctx():
-      return self._decode.lower(self.abstract_params(), self.abstract_state(slots), scalar, scalar, strategy=strategy)
+      return self._decode.lower(self.abstract_fused(), self.abstract_state(slots), scalar, scalar, scalar,
+                                strategy=strategy)
+
+  def abstract_fused(self):
+    """ShapeDtypeStructs (with the shardings the compiled `fuse` gives them) of `fused`'s output: every sampler
+    program's weights."""
+    if self._abstract_fused is None:
+      lowered = self.lower_fuse()
+      made = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh), lowered.out_info,
+                          lowered.compile().output_shardings)
+      self._abstract_fused = params_lib.assemble(self.abstract_params(), made)
+    return self._abstract_fused
+
+  def lower_fuse(self) -> jax.stages.Lowered:
+    """The decode step's weights made from a new version (`fused`), lowered."""
+    with self.ctx():
+      return self._fuse.lower(self.abstract_params())
 
   def lower_recompute(self) -> jax.stages.Lowered:
     """The recompute after a weight swap (`on_swap="recompute"`), lowered on `abstract_state()`."""
     with self.ctx():
-      return self._recompute.lower(self.abstract_params(), self.abstract_state())
+      return self._recompute.lower(self.abstract_fused(), self.abstract_state())
 
   def lower_admit(self, groups: int, samples: int, strategy: SamplingMethod) -> dict[str, jax.stages.Lowered]:
     """The prefill of `groups` prompts and the admission of their `samples` rows each, lowered:
@@ -347,7 +383,7 @@ class Sampler:
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
     with self.ctx():
       prefill = self._prefill(groups)
-      pre = prefill.lower(self.abstract_params(), i32(groups, self.max_prompt_len), i32(groups))
+      pre = prefill.lower(self.abstract_fused(), i32(groups, self.max_prompt_len), i32(groups))
       outs = pre.out_info
       if self.mesh is not None:
         outs = tuple(None if o is None else jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh)

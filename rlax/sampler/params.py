@@ -63,13 +63,32 @@ class Placer:
     return params
 
 
+def joined(platform: str) -> bool:
+  """Whether the sampler's programs read q|k|v and gate|up joined (`fuse`'s concat): on CPU. Read by the engine
+  and the memory estimate."""
+  return platform == "cpu"
+
+
 def fuse(params: models.Params, cfg: models.ModelConfig, *, stacked: bool, concat: bool = True) -> dict:
-  """The decode step's weights: every layer `layers.fuse`d when `concat` (q|k|v and gate|up: one matmul each,
-  what XLA:CPU wants; on TPU a step reads the same bytes either way, so it keeps the stored weights), as one
-  stacked tree (stacked=True, for a scan over layers) or a list of per-layer trees; plus embed, final norm and
-  lm head in the compute dtype. Run once per decode chunk, outside its loop."""
-  lay = jax.vmap(lambda w: layers.fuse(cfg, w))(params["layers"]) if concat else params["layers"]
-  if not stacked:
-    lay = [jax.tree.map(lambda w, l=l: w[l], lay) for l in range(cfg.n_layers)]
-  return {"layers": lay, "embed": params["embed"], "final_norm": params["final_norm"].astype(cfg.jnp_dtype),
-          "lm_head": models.lm_head(params, cfg)}
+  """Every sampler program's weights: every layer `layers.fuse`d when `concat` (q|k|v and gate|up: one matmul
+  each, what XLA:CPU wants; on TPU a step reads the same bytes either way, so it keeps the stored weights), as
+  one stacked tree (stacked=True, for a scan over layers) or a list of per-layer trees; plus embed, final norm
+  and lm head in the compute dtype. The sampler makes them once per weights version (`Sampler.fused`)."""
+  return assemble(params, made(params, cfg, stacked=stacked, concat=concat))
+
+
+def made(params: models.Params, cfg: models.ModelConfig, *, stacked: bool, concat: bool) -> dict:
+  """The leaves of `fuse` computed anew (the sampler's compiled `fuse` program); the rest pass through as stored
+  (`assemble`), never copied: the embedding, a stored lm head, the stacked layers when nothing is joined."""
+  out = {"final_norm": params["final_norm"].astype(cfg.jnp_dtype)}
+  if cfg.tie_embeddings or params["lm_head"].dtype != cfg.jnp_dtype:
+    out["lm_head"] = models.lm_head(params, cfg)
+  if concat or not stacked:
+    lay = jax.vmap(lambda w: layers.fuse(cfg, w))(params["layers"]) if concat else params["layers"]
+    out["layers"] = lay if stacked else [jax.tree.map(lambda w, l=l: w[l], lay) for l in range(cfg.n_layers)]
+  return out
+
+
+def assemble(params: models.Params, made_leaves: dict) -> dict:
+  """`fuse`'s tree from `made`'s leaves and the stored ones it passes through."""
+  return {"layers": params["layers"], "lm_head": params.get("lm_head"), **made_leaves, "embed": params["embed"]}

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 
 from rlax import models
 from rlax.models import moe
-from rlax.sampler import params as params_lib
 from rlax.sampler import rows as rows_lib
 from rlax.sampler import step as step_lib
 from rlax.sampler.strategies import SamplingMethod
@@ -101,11 +100,11 @@ def _no_routes_like(routes, rows: int):
   return jnp.full((rows, *routes.shape[1:]), moe.NO_ROUTE, routes.dtype)
 
 
-def prefill(params, prompt, n_prompt, *, cfg: models.ModelConfig):
+def prefill(fused, prompt, n_prompt, *, cfg: models.ModelConfig):
   """Distinct prompts [Q, P] (right-padded, n_prompt [Q] tokens each) → (keys, values [L, Q, P, K, Dh], logits
   after the last prompt token [Q, V], the prompt tokens' experts [L, Q, P, k] or None: `moe.replayed_routes`)."""
   zero = jnp.zeros_like(n_prompt)
-  logits, k, v, routes = step_lib.forward(params, cfg, prompt, zero, n_prompt)
+  logits, k, v, routes = step_lib.forward(fused, cfg, prompt, zero, n_prompt)
   return k, v, logits, None if moe.replayed_routes(cfg) is None else moe.as_routes(routes)
 
 
@@ -138,21 +137,22 @@ def admit(st: SlotState, k, v, logits, routes, prompt, n_prompt, slot_ids, which
   return record(new, fresh, tok, lp, version, eos_ids, stops, pad_id)
 
 
-def decode_chunk(params, st: SlotState, version, n_steps, *, cfg: models.ModelConfig, layout,
-                 strategy: SamplingMethod, eos_ids, stops, pad_id: int, concat: bool = True) -> SlotState:
-  """Up to `n_steps` decode steps over all slots, stopping early once no slot is running.
+def decode_chunk(fused, st: SlotState, version, n_steps, stop_at, *, cfg: models.ModelConfig, layout,
+                 strategy: SamplingMethod, eos_ids, stops, pad_id: int) -> SlotState:
+  """Up to `n_steps` decode steps over all slots, stopping early once at most `stop_at` slots are running (0:
+  none; the host's `Stream.stop_at` says when fewer running rows change what it would run).
 
   One `while_loop` per bound of the layout (`layout.bounds`): loop i runs while every running row's next
   generated index is below bound i, and attends over the cache up to it, so short rows never pay for
-  attention over entries nobody has reached. concat: fuse the projections (`params.fuse`).
+  attention over entries nobody has reached. fused: the weights as `params.fuse` lays them out for decoding
+  (made once per weights version, `Sampler.fused`).
   """
-  fused = params_lib.fuse(params, cfg, stacked=layout.scans and cfg.scan_layers, concat=concat)
   end_step = st.steps + n_steps
   for i, bound in enumerate(layout.bounds):
 
     def cond(st, bound=bound):
       live = ~st.done
-      return (st.steps < end_step) & jnp.any(live) & (jnp.max(jnp.where(live, st.t - 1, -1)) < bound)
+      return (st.steps < end_step) & (jnp.sum(live) > stop_at) & (jnp.max(jnp.where(live, st.t - 1, -1)) < bound)
 
     def body(st, i=i):
       live = ~st.done
@@ -171,7 +171,7 @@ def decode_chunk(params, st: SlotState, version, n_steps, *, cfg: models.ModelCo
   return st
 
 
-def extend(params, st: SlotState, slot_ids, append, n_append, limits, stop_ids, version, *, cfg: models.ModelConfig,
+def extend(fused, st: SlotState, slot_ids, append, n_append, limits, stop_ids, version, *, cfg: models.ModelConfig,
            layout) -> SlotState:
   """Appends tokens append[a, :n_append[a]] to the stopped row in slot slot_ids[a] (ids >= S: padding) and makes
   it run again until t = limits[a]: the keys and values of its last token and of all appended tokens but the
@@ -184,7 +184,7 @@ def extend(params, st: SlotState, slot_ids, append, n_append, limits, stop_ids, 
   start = n_prompt + t - 1  # index of the row's last token, not yet cached
   feed = jnp.concatenate([st.last[sid][:, None], append[:, :-1]], axis=1)
   past = layout.past(st.cache, sid, n_prompt, start)
-  _, k, v, chosen = step_lib.forward(params, cfg, feed, start, n_append, past)
+  _, k, v, chosen = step_lib.forward(fused, cfg, feed, start, n_append, past)
   cache = layout.write(st.cache, jnp.where(ok, slot_ids, S), k, v, start, n_append, n_prompt)
   M = append.shape[1]
   if st.routes is not None:  # the fed tokens' experts, at their sequence indices
@@ -205,11 +205,11 @@ def extend(params, st: SlotState, slot_ids, append, n_append, limits, stop_ids, 
       last=row_put(st.last, jnp.where(n_append > 0, last, st.last[sid])), stop_ids=row_put(st.stop_ids, stop_ids))
 
 
-def recompute(params, st: SlotState, *, cfg: models.ModelConfig, layout) -> SlotState:
-  """Recomputes every slot's cached keys and values (prompt + tokens but the last) under `params`, after a
-  weight swap: tokens drawn under version v then come from exactly the policy v. The recorded routes become
-  the new forward's, the experts the cache (and every later token) now follows. A state with nothing cached
-  (the warm-up's) skips the forward."""
+def recompute(fused, st: SlotState, *, cfg: models.ModelConfig, layout) -> SlotState:
+  """Recomputes every slot's cached keys and values (prompt + tokens but the last) under the weights `fused`
+  (laid out by `Sampler.fused`), after a weight swap: tokens drawn under version v then come from exactly the
+  policy v. The recorded routes become the new forward's, the experts the cache (and every later token) now
+  follows. A state with nothing cached (the warm-up's) skips the forward."""
   S, P = st.prompt.shape
   N = st.tokens.shape[1]
   count = jnp.where(st.t > 0, st.n_prompt + st.t - 1, 0)
@@ -220,7 +220,7 @@ def recompute(params, st: SlotState, *, cfg: models.ModelConfig, layout) -> Slot
     seq = jnp.where(i < n, jnp.take_along_axis(st.prompt, jnp.clip(i, 0, P - 1), axis=1),
                     jnp.take_along_axis(st.tokens, jnp.clip(i - n, 0, N - 1), axis=1))
     zero = jnp.zeros((S,), jnp.int32)
-    _, k, v, chosen = step_lib.forward(params, cfg, seq, zero, count)
+    _, k, v, chosen = step_lib.forward(fused, cfg, seq, zero, count)
     st = st.replace(cache=layout.write(st.cache, jnp.arange(S), k, v, zero, count, st.n_prompt))
     if st.routes is not None:
       st = st.replace(routes=_put_routes(st.routes, jnp.arange(S), jnp.where(i < count[:, None], i, P + N), chosen))

@@ -41,12 +41,13 @@ def _layers(cfg: models.ModelConfig, lay, x, carry, body, scan: bool):
   return x, carry, jax.tree.map(lambda *o: jnp.stack(o), *outs) if outs[0] is not None else None
 
 
-def forward(params: models.Params, cfg: models.ModelConfig, tokens: Int[Array, "A T"], start: Int[Array, "A"],
+def forward(fused: dict, cfg: models.ModelConfig, tokens: Int[Array, "A T"], start: Int[Array, "A"],
             count: Int[Array, "A"], past: Optional[tuple] = None
             ) -> tuple[Float[Array, "A V"], Float[Array, "L A T K Dh"], Float[Array, "L A T K Dh"],
                        Optional[Int[Array, "L A T k"]]]:
   """Token j < count[a] of row a sits at index start[a] + j and attends over the valid past entries and the
-  row's new tokens up to itself. past: (k, v [L, A, Tp, K, Dh], valid [A, Tp]) or None.
+  row's new tokens up to itself. past: (k, v [L, A, Tp, K, Dh], valid [A, Tp]) or None. fused: the weights as
+  `rlax.sampler.params.fuse` lays them out; stacked ones are scanned when the model scans its layers.
 
   Returns the f32 logits after token count[a] - 1, the new tokens' keys / values (after RoPE), and for a MoE
   model the experts each new token went to in each layer (what the trainer replays), else None.
@@ -59,7 +60,7 @@ def forward(params: models.Params, cfg: models.ModelConfig, tokens: Int[Array, "
   if past is not None:
     mask = jnp.concatenate([jnp.broadcast_to(past[2][:, None, :], (A, T, past[2].shape[1])), mask], axis=2)
   cos_sin = layers.rope(positions, layers.rope_inv_freq(cfg))
-  x = models.constrain(jnp.take(params["embed"], tokens, axis=0).astype(dt), ("batch", "act_seq", "act_embed"))
+  x = models.constrain(jnp.take(fused["embed"], tokens, axis=0).astype(dt), ("batch", "act_seq", "act_embed"))
 
   def body(x, w, carry, l):
     kv = []  # this layer's new keys and values, then (MoE) its experts
@@ -75,10 +76,12 @@ def forward(params: models.Params, cfg: models.ModelConfig, tokens: Int[Array, "
     x = layers.block(cfg, w, x, cos_sin, attend, mlp=_recording_mlp(cfg, kv))
     return x, carry, tuple(kv) + (None,) * (3 - len(kv))
 
-  x, _, (ks, vs, routes) = _layers(cfg, params["layers"], x, (), body, cfg.scan_layers and past is None)
+  stacked = not isinstance(fused["layers"], list)
+  x, _, (ks, vs, routes) = _layers(cfg, fused["layers"], x, (), body, stacked and cfg.scan_layers and past is None)
   last = jnp.take_along_axis(x, jnp.clip(count - 1, 0, T - 1)[:, None, None], axis=1)
-  h = layers.rms_norm(last, params["final_norm"], cfg.norm_eps)
-  return models.logits_from_hidden(params, cfg, h)[:, 0], ks, vs, routes
+  h = layers.rms_norm(last[:, 0], fused["final_norm"], cfg.norm_eps)
+  logits = jnp.dot(h, fused["lm_head"], preferred_element_type=jnp.float32)
+  return models.constrain(logits, ("batch", "act_vocab")), ks, vs, routes
 
 
 def _recording_mlp(cfg: models.ModelConfig, into: list):
@@ -97,7 +100,7 @@ def decode_step(fused: dict, cfg: models.ModelConfig, layout, cache, tok: Int[Ar
                 n_prompt: Int[Array, "S"], live: Bool[Array, "S"], reach: int
                 ) -> tuple[Float[Array, "S V"], object, Optional[Int[Array, "L S k"]]]:
   """Feeds tok[s] at index pos[s] of every slot; `layout.attend` writes its key/value (running slots only)
-  and attends. fused: `rlax.sampler.params.fuse(..., stacked=layout.scans and cfg.scan_layers)`.
+  and attends. fused: the weights as `rlax.sampler.params.fuse` lays them out (`Sampler.fused`).
 
   Returns f32 logits [S, V] for each slot's next token, the updated cache, and for a MoE model the experts
   the fed tokens went to in each layer (else None).

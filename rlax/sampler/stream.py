@@ -199,13 +199,26 @@ class Stream:
       if self.on_chunk is not None:
         self.on_chunk(self.chunks, self.finished_tokens)
         params = self._newest_weights()  # installed by on_chunk: admitted rows' token 0 keeps its version
-      self.st = e.decode(params, self.st, self.version, self.strategy)
+      self.st = e.decode(params, self.st, self.version, self.strategy, stop_at=self.stop_at())
       self.chunks += 1
       steps = int(self.st.steps)
       self.steps, self.slot_steps = steps, self.slot_steps + (steps - self.steps) * len(self.owner)
       finished = self._collect()
       self._resize()
     return finished
+
+  def stop_at(self) -> int:
+    """Running rows at which the next chunk ends early (0: it runs out): once the queue's head group fits the
+    freed slots, or, nothing queued, once the rows holding slots fit the next smaller slot bucket. A slot freed
+    mid-chunk idles until the chunk ends, and a decode step costs in proportion to its slots, running or not."""
+    held = int(np.sum(self.owner >= 0))
+    running = held - len(self._parked)
+    if self.queue:
+      need = self.queue[0].samples - int(np.sum(self.owner < 0))
+      return max(0, running - max(1, need))
+    smaller = [b for b in self.e.slot_buckets if b < len(self.owner)] if self.e.shrink else []
+    fit = max(smaller) - len(self._parked) if smaller else 0
+    return fit if 0 < fit < running else 0  # rows that fit already shrink after this chunk
 
   def _newest_weights(self):
     """The source's newest params; on a version change every slot's cache is recomputed under them

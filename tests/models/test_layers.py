@@ -42,7 +42,7 @@ def test_fused_weights_equal_unfused(name, q_start):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "lay"))
 def _prefill(params, prompt, n, *, cfg, lay):
-  logits, k, v, _ = step.forward(params, cfg, prompt, jnp.zeros_like(n), n)
+  logits, k, v, _ = step.forward(params_lib.fuse(params, cfg, stacked=False), cfg, prompt, jnp.zeros_like(n), n)
   cache = lay.write(lay.init(cfg, prompt.shape[0]), jnp.arange(prompt.shape[0]), k, v, jnp.zeros_like(n), n, n)
   return logits, cache
 

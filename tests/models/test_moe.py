@@ -177,11 +177,12 @@ def test_trainer_replays_the_routes_the_sampler_recorded():
   computes the same logits as routing freely (same numerics), other routes give other logits, and the routes
   reach only a MoE forward without a cache."""
   from rlax.sampler import step
+  from rlax.sampler.params import fuse
   cfg = EXPORT_CFGS["qwen3_moe"]
   params = U.scaled_params(cfg, seed=5)
   tokens = jnp.asarray(U.random_tokens(batch=2, length=10, seed=3))
   n = jnp.full((2,), 10, jnp.int32)
-  _, _, _, routes = step.forward(params, cfg, tokens, jnp.zeros_like(n), n)
+  _, _, _, routes = step.forward(fuse(params, cfg, stacked=False), cfg, tokens, jnp.zeros_like(n), n)
   assert routes.shape == (cfg.n_layers, 2, 10, 2) and routes.dtype == jnp.int32
   routes = jnp.moveaxis(routes, 0, 2)  # [B, T, L, k]
   free, _ = M.forward(params, cfg, tokens)
@@ -192,8 +193,9 @@ def test_trainer_replays_the_routes_the_sampler_recorded():
   scanned = cfg.replace(scan_layers=True)
   np.testing.assert_allclose(np.asarray(M.forward(params, scanned, tokens, routes=routes)[0]), np.asarray(free),
                              atol=1e-5)
-  _, _, _, dense_routes = step.forward(U.scaled_params(EXPORT_CFGS["qwen3_moe"].replace(
-      arch="qwen3", moe=None)), cfg.replace(arch="qwen3", moe=None), tokens, jnp.zeros_like(n), n)
+  dense = cfg.replace(arch="qwen3", moe=None)
+  _, _, _, dense_routes = step.forward(fuse(U.scaled_params(dense), dense, stacked=False), dense, tokens,
+                                       jnp.zeros_like(n), n)
   assert dense_routes is None
   with pytest.raises(ValueError, match="routes and router_stats are a MoE model"):
     M.forward(params, cfg.replace(arch="qwen3", moe=None), tokens, routes=routes)
@@ -205,8 +207,9 @@ def test_replayed_routes_with_a_late_start():
   params = U.scaled_params(cfg, seed=6)
   tokens = jnp.asarray(U.random_tokens(batch=2, length=9, seed=4))
   from rlax.sampler import step
+  from rlax.sampler.params import fuse
   n = jnp.full((2,), 9, jnp.int32)
-  routes = jnp.moveaxis(step.forward(params, cfg, tokens, jnp.zeros_like(n), n)[3], 0, 2)
+  routes = jnp.moveaxis(step.forward(fuse(params, cfg, stacked=False), cfg, tokens, jnp.zeros_like(n), n)[3], 0, 2)
   free, _ = M.hidden_states(params, cfg, tokens, start=4)
   replayed, _ = M.hidden_states(params, cfg, tokens, start=4, routes=routes)
   assert free.shape == (2, 5, cfg.d_model)

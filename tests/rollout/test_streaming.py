@@ -129,11 +129,11 @@ def test_batches_fill_from_the_groups_that_finish_first():
 def test_importance_weight_policy_keeps_long_groups():
   # The same long prompt 0, importance-weighted instead of dropped: it decodes on while short groups
   # stream past it, and lands whole in a later batch, its oldest tokens many versions old.
-  p, batches, _ = producer(records([30] + [2] * 30))
+  p, batches, _ = producer(records([30] + [2] * 40))
   p.stale_policy = "importance_weight"
-  p.run(0, 9)
+  p.run(0, 18)  # a short group takes one decode step: a chunk ends as soon as one finishes
   used = sum((batch_prompts(b) for b in batches), [])
-  assert 0 in used and len(used) == len(set(used)) == 18
+  assert 0 in used and len(used) == len(set(used)) == 36
   late = next(b for b in batches if 0 in batch_prompts(b))
   assert late.index - late.version > 1 and late.stats["stale_groups_dropped"] == 0
 

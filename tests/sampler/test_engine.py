@@ -201,7 +201,8 @@ def test_weights_are_held_in_the_compute_dtype():
 
 
 def test_lowerings_are_the_programs_a_stream_runs():
-  """abstract_state / lower_admit / lower_decode trace exactly what generate runs: it then traces nothing new."""
+  """abstract_state / lower_admit / lower_decode / lower_fuse trace exactly what generate runs: it then traces
+  nothing new."""
   mesh = M.make_mesh(jax.devices()[:4], data=2, fsdp=1, tensor=2)
   sm = make(mesh=mesh, slots=8)
   empty = sm.empty()
@@ -211,9 +212,11 @@ def test_lowerings_are_the_programs_a_stream_runs():
   lowered = sm.lower_admit(4, 2, strategy)
   lowered["prefill"].compile(), lowered["admit"].compile()
   sm.lower_decode(strategy).compile()
-  assert dict(sm.trace_counts) == {"prefill": 1, "admit": 1, "decode": 1}
+  sm.lower_fuse().compile()
+  programs = {"fuse": 1, "prefill": 1, "admit": 1, "decode": 1}
+  assert dict(sm.trace_counts) == programs
   sm.generate(PROMPTS, samples_per_prompt=2, strategy=strategy)
-  assert dict(sm.trace_counts) == {"prefill": 1, "admit": 1, "decode": 1}
+  assert dict(sm.trace_counts) == programs
 
 
 def test_bad_requests_and_memory_budget():
