@@ -207,7 +207,6 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
 def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dict,
                    budget: Optional[int]) -> dict[str, int]:
   cfg, r = run.model, run.rollout
-  dt = cfg.jnp_dtype
   S = r.max_prompt_len + r.max_new_tokens
   B = builders.slots(run, mesh, budget, platform)  # the runtime's own sizing (rollout.slots=-1: what fits)
   layout = make_layout(cfg, "auto", r.max_prompt_len, r.max_new_tokens, platform=platform)
@@ -216,22 +215,17 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   tensor = dict(mesh.shape)["tensor"]
   keep = run_lib.versions_kept(run)
   isz = _act_itemsize(cfg, platform)
-  layer_w = _param_bytes(cfg, mesh, max(isz, dt.itemsize), "layers")  # per-layer slices (f32 on CPU)
-  copied = params_lib.joined(platform) or not cfg.scan_layers  # the engine's `fused` copies the layers
-  vocab = _split(cfg.vocab_size, tensor)
-  sampling = _SAMPLING_COPIES * b * vocab * 4
+  sampling = _SAMPLING_COPIES * b * _split(cfg.vocab_size, tensor) * 4
   groups = min(r.samples_per_prompt, run.eval.n_samples)
   prompts = max(1, b // groups)  # distinct prompts one prefill runs
   prefill = (sizing.recompute_bytes(cfg, prompts, r.max_prompt_len) + sampling
              + _layer_acts(cfg, prompts * r.max_prompt_len, r.max_prompt_len, tensor, isz, _INFER_PER_ELEM))
   # A weight swap recomputes every slot's cache (sampler.slots.recompute); the engine streams across versions.
   refill = mem["transient"] + _layer_acts(cfg, b * S, S, tensor, isz, _INFER_PER_ELEM)
-  tied_head = cfg.d_model * vocab * max(isz, dt.itemsize) if cfg.tie_embeddings else 0  # embed.T copy
-  fused = (layer_w if copied else 0) + tied_head  # every program's weights, made once per version
-  decode = sampling
+  fused = _fused_bytes(cfg, mesh, isz, platform)
   teacher, score = _teacher_bytes(run, mesh, isz)
   judge, judging = _judge_bytes(run, mesh, isz, platform)
-  programs = {"decode": decode, "refill": refill, "prefill": prefill, "the teacher's scoring": score,
+  programs = {"decode": sampling, "refill": refill, "prefill": prefill, "the teacher's scoring": score,
               "the judge's decode": judging}
   which = max(programs, key=programs.get)  # the first of equals, in this order
   scratch = programs[which]
@@ -244,9 +238,8 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
       "sampler.pristine_base": ("LoRA: the base every pushed version of the adapters merges into (compute dtype)"
                                 if frozen else "none (no adapters)"),
       "sampler.kv_cache": f"{b} slots x {S} tokens per device ({B} slots: {slots_note}; {kind} layout)",
-      "sampler.fused": ("the weights as the sampler's programs read them (per layer" + (", q|k|v and gate|up joined"
-                        if params_lib.joined(platform) else "") + (", the tied head transposed" if tied_head else "")
-                        + "): one copy per version in use" if fused else "none (the programs read the stored weights)"),
+      "sampler.fused": ("the weights as the sampler's programs read them, made once per version (Sampler.fused)"
+                        if fused else "none (the programs read the stored weights)"),
       "sampler.scratch": f"largest program scratch: {which} (sampling buffers, activations)",
       "sampler.teacher": (f"the teacher's weights ({run.teacher.hf_checkpoint}), beside the sampler" if teacher
                           else "none (no teacher)"),
@@ -271,18 +264,25 @@ def _teacher_bytes(run: RunConfig, mesh: AbstractMesh, isz: int) -> tuple[int, f
   return sizing.weight_bytes(tcfg, mesh), logits + _layer_acts(tcfg, rows * S, S, tensor, isz, _INFER_PER_ELEM)
 
 
+def _fused_bytes(cfg: models.ModelConfig, mesh: AbstractMesh, isz: int, platform: str) -> int:
+  """`Sampler.fused`'s copies: the layers (joined, or sliced per layer), the tied head transposed."""
+  copied = params_lib.joined(platform) or not cfg.scan_layers
+  layers = _param_bytes(cfg, mesh, max(isz, cfg.jnp_dtype.itemsize), "layers") if copied else 0
+  head = cfg.d_model * _split(cfg.vocab_size, dict(mesh.shape)["tensor"]) * max(isz, cfg.jnp_dtype.itemsize)
+  return layers + (head if cfg.tie_embeddings else 0)
+
+
 def _judge_bytes(run: RunConfig, mesh: AbstractMesh, isz: int, platform: str) -> tuple[int, float]:
-  """A judging run's judge beside the sampler (rlax.judges): (its weights and KV cache, its decode's scratch: one
-  layer's weights and the sampling buffers), 0s without one."""
+  """A judging run's judge beside the sampler (rlax.judges): (its weights, their fused copy and its KV cache,
+  its decode's scratch: the sampling buffers), 0s without one."""
   if run.reward.name != "judge":
     return 0, 0.0
   j, slots, tensor = run.judge, builders.judge_slots(run), dict(mesh.shape)["tensor"]
   jcfg = hf.read_config(j.hf_checkpoint, dtype=run.model.dtype)
   mem = sizing.sampler_memory(jcfg, make_layout(jcfg, "auto", j.max_prompt_len, j.max_new_tokens, platform=platform),
                               slots, j.max_prompt_len + j.max_new_tokens, mesh)
-  layer = _param_bytes(jcfg, mesh, max(isz, jcfg.jnp_dtype.itemsize), "layers")
   sampling = _SAMPLING_COPIES * slots // shd.row_shards(mesh, slots) * _split(jcfg.vocab_size, tensor) * 4
-  return int(mem["params"] + mem["cache"]), layer + sampling
+  return int(mem["params"] + mem["cache"] + _fused_bytes(jcfg, mesh, isz, platform)), sampling
 
 
 def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,

@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import weakref
 from typing import Callable, Optional, Sequence, Union
 
 import jax
@@ -125,13 +124,7 @@ class Sampler:
                             donate=(0,))
     self._decode = self._jit("decode", functools.partial(slots_lib.decode_chunk, cfg=cfg, **lay, **statics),
                              static=("strategy",), donate=(1,))
-    # Every program's weights (q|k|v and gate|up joined on CPU, per-layer, the head transposed), made once per
-    # weights version: made inside every call they cost a copy of the weights per decode chunk and admission
-    # (~0.25 s for SmolLM2 on 2 CPU cores, more than a decode step), which made short chunks dear.
-    self._fuse = self._jit("fuse", functools.partial(params_lib.made, cfg=cfg, stacked=cfg.scan_layers,
-                                                     concat=params_lib.joined(platform)))
-    self._fused: tuple = ((), None)  # (weak references to the leaves of the params fused, the fused weights)
-    self._abstract_fused = None
+    self.fused = params_lib.Fused(cfg, self._jit, joined=params_lib.joined(platform), ctx=self.ctx)
     self._recompute = self._jit("recompute", functools.partial(slots_lib.recompute, cfg=cfg, **lay), donate=(1,))
     self._extend = self._jit("extend", functools.partial(slots_lib.extend, cfg=cfg, **lay), donate=(1,))
     self._gather = self._jit("shrink", slots_lib.gather)
@@ -299,18 +292,6 @@ class Sampler:
     """Prompt counts an admission of groups of `samples` rows is padded to (one prefill and admit program each)."""
     return prompts_lib.pow_buckets(1, self.slots // samples, self.admit_factor)
 
-  def fused(self, params):
-    """`params` laid out for the decode step, made on first use of these params and kept until other params
-    come (weak references: a version the weights service dropped is not kept alive by this)."""
-    refs, fused = self._fused
-    leaves = jax.tree.leaves(params)
-    if len(refs) != len(leaves) or any(r() is not x for r, x in zip(refs, leaves)):
-      self._fused = ((), None)  # the old copy goes before the new one is made
-      with self.ctx():
-        fused = params_lib.assemble(params, self._fuse(params))
-      self._fused = (tuple(weakref.ref(x) for x in leaves), fused)
-    return fused
-
   def decode(self, params, st, version, strategy, stop_at: int = 0):
     """One chunk: up to `decode_chunk` decode steps, ending once at most `stop_at` slots are running."""
     return self._decode(self.fused(params), st, np.int32(version), np.int32(self.decode_chunk), np.int32(stop_at),
@@ -355,19 +336,12 @@ class Sampler:
                                 strategy=strategy)
 
   def abstract_fused(self):
-    """ShapeDtypeStructs (with the shardings the compiled `fuse` gives them) of `fused`'s output: every sampler
-    program's weights."""
-    if self._abstract_fused is None:
-      lowered = self.lower_fuse()
-      made = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh), lowered.out_info,
-                          lowered.compile().output_shardings)
-      self._abstract_fused = params_lib.assemble(self.abstract_params(), made)
-    return self._abstract_fused
+    """ShapeDtypeStructs of `fused`'s output: every sampler program's weights."""
+    return self.fused.abstract(self.abstract_params())
 
   def lower_fuse(self) -> jax.stages.Lowered:
-    """The decode step's weights made from a new version (`fused`), lowered."""
-    with self.ctx():
-      return self._fuse.lower(self.abstract_params())
+    """The weights every program reads, made from a new version (`fused`), lowered."""
+    return self.fused.lower(self.abstract_params())
 
   def lower_recompute(self) -> jax.stages.Lowered:
     """The recompute after a weight swap (`on_swap="recompute"`), lowered on `abstract_state()`."""

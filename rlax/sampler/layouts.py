@@ -30,7 +30,6 @@ from typing import Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax import models

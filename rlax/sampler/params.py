@@ -9,6 +9,8 @@ weights itself: it reads them from its `WeightsService`.
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from typing import Optional
 
 import jax
@@ -92,3 +94,41 @@ def made(params: models.Params, cfg: models.ModelConfig, *, stacked: bool, conca
 def assemble(params: models.Params, made_leaves: dict) -> dict:
   """`fuse`'s tree from `made`'s leaves and the stored ones it passes through."""
   return {"layers": params["layers"], "lm_head": params.get("lm_head"), **made_leaves, "embed": params["embed"]}
+
+
+class Fused:
+  """Every program's weights (`fuse`), made once per weights version: made inside every call they cost a copy
+  of the weights per decode chunk and admission (~0.25 s for SmolLM2 on 2 CPU cores, more than a decode step),
+  which made short chunks dear. `fused(params)` makes them on first use of these params and keeps them until
+  other params come or `release()` (weak references: a version the weights service dropped is not kept
+  alive). jit: the engine's (it counts traces); ctx: its mesh context."""
+
+  def __init__(self, cfg: models.ModelConfig, jit, *, joined: bool, ctx):
+    self._make = jit("fuse", functools.partial(made, cfg=cfg, stacked=cfg.scan_layers, concat=joined))
+    self._ctx, self._held, self._abstract = ctx, ((), None), None
+
+  def __call__(self, params: models.Params) -> dict:
+    refs, fused = self._held
+    leaves = jax.tree.leaves(params)
+    if len(refs) != len(leaves) or any(r() is not x for r, x in zip(refs, leaves)):
+      self.release()  # the old copy goes before the new one is made
+      with self._ctx():
+        fused = assemble(params, self._make(params))
+      self._held = (tuple(weakref.ref(x) for x in leaves), fused)
+    return fused
+
+  def release(self) -> None:
+    self._held = ((), None)
+
+  def lower(self, abstract_params) -> jax.stages.Lowered:
+    with self._ctx():
+      return self._make.lower(abstract_params)
+
+  def abstract(self, abstract_params) -> dict:
+    """ShapeDtypeStructs of the output, with the shardings the compiled program gives them."""
+    if self._abstract is None:
+      lowered = self.lower(abstract_params)
+      out = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh), lowered.out_info,
+                         lowered.compile().output_shardings)
+      self._abstract = assemble(abstract_params, out)
+    return self._abstract

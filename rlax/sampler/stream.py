@@ -205,6 +205,8 @@ class Stream:
       self.steps, self.slot_steps = steps, self.slot_steps + (steps - self.steps) * len(self.owner)
       finished = self._collect()
       self._resize()
+    if not self.pending:
+      e.fused.release()  # idle until new work comes, most often with new weights: their own copy is made then
     return finished
 
   def stop_at(self) -> int:
