@@ -222,7 +222,7 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
              + _layer_acts(cfg, prompts * r.max_prompt_len, r.max_prompt_len, tensor, isz, _INFER_PER_ELEM))
   # A weight swap recomputes every slot's cache (sampler.slots.recompute); the engine streams across versions.
   refill = mem["transient"] + _layer_acts(cfg, b * S, S, tensor, isz, _INFER_PER_ELEM)
-  fused = _fused_bytes(cfg, mesh, isz, platform)
+  fused = _fused_bytes(cfg, mesh, isz, platform, layout)
   teacher, score = _teacher_bytes(run, mesh, isz)
   judge, judging = _judge_bytes(run, mesh, isz, platform)
   programs = {"decode": sampling, "refill": refill, "prefill": prefill, "the teacher's scoring": score,
@@ -264,10 +264,10 @@ def _teacher_bytes(run: RunConfig, mesh: AbstractMesh, isz: int) -> tuple[int, f
   return sizing.weight_bytes(tcfg, mesh), logits + _layer_acts(tcfg, rows * S, S, tensor, isz, _INFER_PER_ELEM)
 
 
-def _fused_bytes(cfg: models.ModelConfig, mesh: AbstractMesh, isz: int, platform: str) -> int:
+def _fused_bytes(cfg: models.ModelConfig, mesh: AbstractMesh, isz: int, platform: str, layout) -> int:
   """`Sampler.fused`'s copies: the layers (joined, or sliced per layer), the tied head transposed."""
-  copied = params_lib.joined(platform) or not cfg.scan_layers
-  layers = _param_bytes(cfg, mesh, max(isz, cfg.jnp_dtype.itemsize), "layers") if copied else 0
+  stacked, joined = params_lib.fused_layout(cfg, layout, platform)
+  layers = _param_bytes(cfg, mesh, max(isz, cfg.jnp_dtype.itemsize), "layers") if joined or not stacked else 0
   head = cfg.d_model * _split(cfg.vocab_size, dict(mesh.shape)["tensor"]) * max(isz, cfg.jnp_dtype.itemsize)
   return layers + (head if cfg.tie_embeddings else 0)
 
@@ -279,10 +279,10 @@ def _judge_bytes(run: RunConfig, mesh: AbstractMesh, isz: int, platform: str) ->
     return 0, 0.0
   j, slots, tensor = run.judge, builders.judge_slots(run), dict(mesh.shape)["tensor"]
   jcfg = hf.read_config(j.hf_checkpoint, dtype=run.model.dtype)
-  mem = sizing.sampler_memory(jcfg, make_layout(jcfg, "auto", j.max_prompt_len, j.max_new_tokens, platform=platform),
-                              slots, j.max_prompt_len + j.max_new_tokens, mesh)
+  layout = make_layout(jcfg, "auto", j.max_prompt_len, j.max_new_tokens, platform=platform)
+  mem = sizing.sampler_memory(jcfg, layout, slots, j.max_prompt_len + j.max_new_tokens, mesh)
   sampling = _SAMPLING_COPIES * slots // shd.row_shards(mesh, slots) * _split(jcfg.vocab_size, tensor) * 4
-  return int(mem["params"] + mem["cache"] + _fused_bytes(jcfg, mesh, isz, platform)), sampling
+  return int(mem["params"] + mem["cache"] + _fused_bytes(jcfg, mesh, isz, platform, layout)), sampling
 
 
 def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,

@@ -124,7 +124,8 @@ class Sampler:
                             donate=(0,))
     self._decode = self._jit("decode", functools.partial(slots_lib.decode_chunk, cfg=cfg, **lay, **statics),
                              static=("strategy",), donate=(1,))
-    self.fused = params_lib.Fused(cfg, self._jit, joined=params_lib.joined(platform), ctx=self.ctx)
+    stacked, joined = params_lib.fused_layout(cfg, self.layout, platform)
+    self.fused = params_lib.Fused(cfg, self._jit, stacked=stacked, joined=joined, ctx=self.ctx)
     self._recompute = self._jit("recompute", functools.partial(slots_lib.recompute, cfg=cfg, **lay), donate=(1,))
     self._extend = self._jit("extend", functools.partial(slots_lib.extend, cfg=cfg, **lay), donate=(1,))
     self._gather = self._jit("shrink", slots_lib.gather)

@@ -65,10 +65,12 @@ class Placer:
     return params
 
 
-def joined(platform: str) -> bool:
-  """Whether the sampler's programs read q|k|v and gate|up joined (`fuse`'s concat): on CPU. Read by the engine
-  and the memory estimate."""
-  return platform == "cpu"
+def fused_layout(cfg: models.ModelConfig, layout, platform: str) -> tuple[bool, bool]:
+  """(stacked, joined) of the weights the sampler's programs read (`fuse`): the layers stay stacked when every
+  program scans them (the model scans its layers and the cache `layout` rides in a scan's carry; unrolled
+  programs want separate per-layer buffers); q|k|v and gate|up are joined on CPU. Read by the engine and the
+  memory estimate."""
+  return bool(cfg.scan_layers and layout.scans), platform == "cpu"
 
 
 def fuse(params: models.Params, cfg: models.ModelConfig, *, stacked: bool, concat: bool = True) -> dict:
@@ -103,8 +105,8 @@ class Fused:
   other params come or `release()` (weak references: a version the weights service dropped is not kept
   alive). jit: the engine's (it counts traces); ctx: its mesh context."""
 
-  def __init__(self, cfg: models.ModelConfig, jit, *, joined: bool, ctx):
-    self._make = jit("fuse", functools.partial(made, cfg=cfg, stacked=cfg.scan_layers, concat=joined))
+  def __init__(self, cfg: models.ModelConfig, jit, *, stacked: bool, joined: bool, ctx):
+    self._make = jit("fuse", functools.partial(made, cfg=cfg, stacked=stacked, concat=joined))
     self._ctx, self._held, self._abstract = ctx, ((), None), None
 
   def __call__(self, params: models.Params) -> dict:
