@@ -79,9 +79,14 @@ def forward(fused: dict, cfg: models.ModelConfig, tokens: Int[Array, "A T"], sta
   stacked = not isinstance(fused["layers"], list)
   x, _, (ks, vs, routes) = _layers(cfg, fused["layers"], x, (), body, stacked and cfg.scan_layers and past is None)
   last = jnp.take_along_axis(x, jnp.clip(count - 1, 0, T - 1)[:, None, None], axis=1)
-  h = layers.rms_norm(last[:, 0], fused["final_norm"], cfg.norm_eps)
+  return _logits(fused, cfg, last[:, 0]), ks, vs, routes
+
+
+def _logits(fused: dict, cfg: models.ModelConfig, x: Float[Array, "A D"]) -> Float[Array, "A V"]:
+  """f32 next-token logits of the last hidden states (final norm, then the head `fused` holds)."""
+  h = layers.rms_norm(x, fused["final_norm"], cfg.norm_eps)
   logits = jnp.dot(h, fused["lm_head"], preferred_element_type=jnp.float32)
-  return models.constrain(logits, ("batch", "act_vocab")), ks, vs, routes
+  return models.constrain(logits, ("batch", "act_vocab"))
 
 
 def _recording_mlp(cfg: models.ModelConfig, into: list):
@@ -121,6 +126,4 @@ def decode_step(fused: dict, cfg: models.ModelConfig, layout, cache, tok: Int[Ar
     return x, cache, chosen[0][:, 0] if chosen else None
 
   x, cache, routes = _layers(cfg, fused["layers"], x, cache, body, layout.scans and cfg.scan_layers)
-  x = layers.rms_norm(x[:, 0], fused["final_norm"], cfg.norm_eps)
-  logits = jnp.dot(x, fused["lm_head"], preferred_element_type=jnp.float32)
-  return models.constrain(logits, ("batch", "act_vocab")), cache, routes
+  return _logits(fused, cfg, x[:, 0]), cache, routes
