@@ -96,6 +96,22 @@ def _hold_out(candidates, n: int) -> tuple[list[Record], set]:
   return held, seen
 
 
+def read_files(run: RunConfig, paths) -> list[Record]:
+  """The records of `paths` (columns as the data section maps them); a record without the reference the run's
+  reward grades against (rewards.missing_reference) is one error naming it. Callers: `datasets`,
+  rlax.evaluation."""
+  out = []
+  for path in paths:
+    for r in read_records(path, run.data.columns()):
+      missing = rewards.missing_reference(run.reward.name, r)
+      if missing:
+        where = r.id if r.id.startswith(f"{path}:") else f"{path}: record {r.id!r}"  # an id defaults to file:line
+        raise ValueError(f"{where}: no `{missing}`, which reward.name={run.reward.name!r} grades against "
+                         "(reward.name=judge or a user's reward needs none)")
+      out.append(r)
+  return out
+
+
 def datasets(run: RunConfig) -> tuple[list[Record], list[Record]]:
   """Train and held-out eval records: the configured synthetic task, or the user's files.
 
@@ -105,10 +121,9 @@ def datasets(run: RunConfig) -> tuple[list[Record], list[Record]]:
   """
   d = run.data
   if d.files("train"):
-    cols = d.columns()
-    train = [r for path in d.files("train") for r in read_records(path, cols)]
+    train = read_files(run, d.files("train"))
     if d.files("eval"):
-      held, seen = _hold_out([r for path in d.files("eval") for r in read_records(path, cols)], d.n_eval)
+      held, seen = _hold_out(read_files(run, d.files("eval")), d.n_eval)
     else:
       order = np.random.default_rng(d.eval_seed).permutation(len(train))
       held, seen = _hold_out([train[i] for i in order], d.n_eval)

@@ -31,7 +31,6 @@ from rlax import builders
 from rlax import checkpoint as checkpoint_lib
 from rlax import config as config_lib
 from rlax import envs
-from rlax.data.records import read_records
 from rlax.envs import episodes as episodes_lib
 from rlax.models import hf
 from rlax.models.config import NUMERICS
@@ -193,7 +192,7 @@ def evaluate_model(cfg: Any, *, model: Optional[str] = None, checkpoint: Optiona
   tok = builders.tokenizer(run)
   render = builders.renderer(run, tok)
   if data:
-    records = [r for path in data.split(",") if path.strip() for r in read_records(path.strip(), run.data.columns())]
+    records = builders.read_files(run, [path.strip() for path in data.split(",") if path.strip()])
   else:
     records = builders.datasets(run)[1]
   records, dropped = render.fitting(records[:n_prompts] if n_prompts > 0 else records, run.rollout.max_prompt_len)

@@ -1,7 +1,8 @@
 """The prompt record every task, curation step and verifier shares, and its JSONL/Parquet I/O.
 
 A record is one problem: the prompt shown to the policy, and what a verifier needs to grade a
-completion — a reference `answer` (math, arithmetic, countdown) or `tests` (code). `task` selects
+completion — a reference `answer` (math, arithmetic) or `tests` (code), which the rewards that grade against
+one require when a run reads its files (a judge needs neither). `task` selects
 the reward function by name (see `rlax.rewards.registry`), `source` names the data set it came from
 (mixture weights and per-source pass@k and reward are keyed by it).
 
@@ -123,8 +124,6 @@ class Record:
       object.__setattr__(self, "messages", tuple(dict(role=m["role"], content=m["content"]) for m in msgs))
     if not isinstance(self.prompt, str):
       raise ValueError(f"Record {self.id}: prompt must be a string, got {type(self.prompt).__name__}")
-    if self.answer is None and not self.tests:
-      raise ValueError(f"Record {self.id}: needs a reference `answer` or non-empty `tests`")
     if self.tests is not None:
       # A bare string is iterable too: it would become one test per character.
       if isinstance(self.tests, (str, bytes)) or not all(isinstance(t, str) for t in self.tests):

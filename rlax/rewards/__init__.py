@@ -8,7 +8,7 @@ processes.
 from rlax.rewards.code import code_reward, extract_code, make_code_reward
 from rlax.rewards.math import math_reward
 from rlax.rewards.pool import GradeBatch, VerifierPool
-from rlax.rewards.registry import auto_reward, build, combine, get, names, register
+from rlax.rewards.registry import auto_reward, build, combine, get, missing_reference, names, register
 from rlax.rewards.code_tests import SandboxResult, run_tests
 from rlax.rewards.sandbox import ProgramResult, SandboxLimits, isolation_mode, run_program
 from rlax.rewards.text import (ANSWER_MODES, arithmetic_reward, check_answer_mode, countdown_reward,

@@ -137,6 +137,24 @@ def names() -> list[str]:
   return sorted(_REGISTRY) + ["auto"]
 
 
+# Built-in rewards that grade against a record's reference, and the field each reads (countdown reads metadata).
+_REFERENCES = {math.math_reward: "answer", text.exact_reward: "answer", text.arithmetic_reward: "answer",
+               gym.reasoning_gym_reward: "answer", qa.qa_em_reward: "answer", qa.qa_f1_reward: "answer",
+               code.code_reward: "tests"}
+
+
+def missing_reference(name: str, record) -> str | None:
+  """The reference field ('answer' or 'tests') that reward `name` grades `record` against and the record lacks;
+  None when it has it or nothing needs one (a judge, format, countdown, a user's reward). Caller:
+  rlax.builders.read_files."""
+  for part in name.split("+"):
+    fn = _REGISTRY.get(_TASK_ALIASES.get(record.task, record.task) if part == "auto" else part)
+    field = _REFERENCES.get(fn)
+    if field == "answer" and record.answer is None or field == "tests" and not record.tests:
+      return field
+  return None
+
+
 def _task_reward(record) -> RewardFn:
   task = _TASK_ALIASES.get(record.task, record.task)
   if task not in _REGISTRY:

@@ -4,10 +4,12 @@ directories next to JSONL; a wrong key is one error naming the file, the row and
 
 import json
 import os
+import re
 import sys
 
 import pytest
 
+from rlax import builders
 from rlax import config as config_lib
 from rlax import rewards
 from rlax.data import records as R
@@ -96,3 +98,22 @@ def test_config_maps_columns_and_refuses_a_bad_format(tmp_path):
   assert run.data.columns() == R.Columns(prompt="question", answer_format="gsm8k")
   with pytest.raises(ValueError, match="data.answer_format='gsm'"):
     config_lib.load({"workdir": work, "data": {"answer_format": "gsm"}})
+
+
+def test_a_record_needs_the_reference_its_reward_grades_against(tmp_path):
+  """Open-ended prompts (no answer, no tests) load for a reward that reads none; a reward that grades against
+  a reference refuses the first record without it, naming the file, the record and the field."""
+  path = write(tmp_path, "open.jsonl", [{"prompt": "Write a haiku about rain."},
+                                        {"prompt": "Make 24 from 3 8", "task": "countdown",
+                                         "metadata": {"numbers": [3, 8], "target": 24}}])
+  run = lambda name: config_lib.load({"workdir": str(tmp_path / "run"), "data": {"train_files": path},
+                                      "reward": {"name": name}})
+  assert [r.answer for r in builders.read_files(run("format"), [path])] == [None, None]
+  for name, field in (("math", "answer"), ("code", "tests"), ("format+exact", "answer"), ("auto", "answer")):
+    with pytest.raises(ValueError, match=rf"open\.jsonl:1: no `{field}`, which "
+                                         rf"reward\.name='{re.escape(name)}' grades against"):
+      builders.read_files(run(name), [path])
+  countdown = R.read_records(path)[1]
+  assert rewards.missing_reference("auto", countdown) is None  # countdown grades from its metadata
+  assert rewards.missing_reference("math", countdown) == "answer"
+  assert rewards.missing_reference("exact", R.Record(id="e", prompt="p", answer="")) is None  # "" is an answer

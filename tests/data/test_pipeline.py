@@ -26,8 +26,8 @@ def test_jsonl_round_trip(tmp_path):
 
 def test_bad_inputs_raise_precise_errors(tmp_path):
   path = tmp_path / "bad.jsonl"
-  path.write_text('{"id": "a", "prompt": "p", "answer": "1"}\n{"id": "b", "prompt": "p"}\n')
-  with pytest.raises(ValueError, match=r"bad.jsonl:2: .*answer"):
+  path.write_text('{"id": "a", "prompt": "p", "answer": "1"}\n{"id": "b", "answer": "1"}\n')
+  with pytest.raises(ValueError, match=r"bad.jsonl:2: .*missing 'id' or 'prompt'"):
     R.read_records(str(path))
   with pytest.raises(ValueError, match="unknown fields"):
     R.Record.from_dict({"id": "a", "prompt": "p", "answer": "1", "bogus": 1})

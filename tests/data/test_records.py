@@ -32,7 +32,7 @@ def test_jsonl_schema_prompt_or_messages_and_default_ids(tmp_path):
 
 
 @pytest.mark.parametrize("line,match", [
-    ('{"prompt": "p"}', "needs a reference `answer`"),
+    ('{"prompt": 3, "answer": "1"}', "prompt must be a string"),
     ('{"messages": [{"role": "user"}], "answer": "1"}', "messages must be"),
     ('[1, 2]', "expected a JSON object"),
     ('{"prompt": "p", "answer": ', "not JSON"),
@@ -52,7 +52,9 @@ def test_parquet_rows_and_bad_row(tmp_path):
                                        {"id": "y", "prompt": "q", "answer": "2", "source": "b"}]), path)
   assert [(r.id, r.answer, r.source) for r in R.read_records(path)] == [("x", "1", "a"), ("y", "2", "b")]
   pq.write_table(pa.Table.from_pylist([{"prompt": "p", "answer": "1"}, {"prompt": "q", "answer": None}]), path)
-  with pytest.raises(ValueError, match=r"d.parquet:row 1: bad record: .*answer"):
+  assert [r.answer for r in R.read_records(path)] == ["1", None]  # a reward that needs one refuses it
+  pq.write_table(pa.Table.from_pylist([{"prompt": "p", "metadata": None}, {"prompt": "q", "metadata": "{"}]), path)
+  with pytest.raises(ValueError, match=r"d.parquet:row 1: bad record: metadata is a string, not a JSON object"):
     R.read_records(path)
   with pytest.raises(ValueError, match="cannot read as Parquet"):
     R.read_records(str(tmp_path / "missing.parquet"))

@@ -36,7 +36,7 @@ def _config(tmp_path):
 def test_a_judged_run_rewards_every_reply_with_the_judges_verdict(tmp_path):
   hf_models.make_dir(tmp_path / "policy", "llama", tie=False, seed=0)
   judges_harness.programmed(tmp_path / "judge", "four", Record(id="x", prompt="q", answer=""), template=TEMPLATE)
-  write_jsonl([Record(id=str(i), prompt=p, answer="") for i, p in enumerate(PROMPTS)], str(tmp_path / "train.jsonl"))
+  write_jsonl([Record(id=str(i), prompt=p, answer=None) for i, p in enumerate(PROMPTS)], str(tmp_path / "train.jsonl"))
   ctl = Controller(_config(tmp_path), progress=False)
   out = ctl.run()
   assert out["steps"] == 2 and out["pass1_before"] == 1.0 and out["pass1_after"] == 1.0

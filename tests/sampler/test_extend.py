@@ -68,10 +68,13 @@ def check_episode(out, prompt, turns, first, then, params_of, seed, pid, strateg
   np.testing.assert_array_equal(smp[:n], want)
   assert np.all(lps[:n][~want] == 0)
   key = rows_lib.row_keys(seed, 0, [pid], [0])
+  seq = jnp.asarray([list(prompt) + toks[:n].tolist()], jnp.int32)
+  full = {}  # version → causal full-forward logits of the whole episode: position p sees tokens up to p only
   for j in np.flatnonzero(want):  # each sampled token: its own index's uniform over the full-forward logits
-    params = params_of(int(ver[j]))
-    seq = jnp.asarray([list(prompt) + toks[:j].tolist()], jnp.int32)
-    logits = M.forward(params, CFG, seq)[0][:, -1]
+    v = int(ver[j])
+    if v not in full:
+      full[v] = M.forward(params_of(v), CFG, seq)[0][0]
+    logits = full[v][len(prompt) + j - 1][None]
     tok, lp = strategy.sample(logits, rows_lib.uniforms(key, j))
     assert int(tok[0]) == toks[j], j
     np.testing.assert_allclose(lps[j], float(lp[0]), atol=atol, err_msg=f"token {j}")
