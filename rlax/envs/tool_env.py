@@ -12,11 +12,11 @@ conversation is re-rendered as the prompt of the episode's next row (rlax.envs.e
 
 from __future__ import annotations
 
-import asyncio
 from typing import Sequence
 
 from absl import logging
 
+from rlax.envs import grading
 from rlax.envs import renderers
 from rlax.envs import tools as tools_lib
 from rlax.envs.base import EnvContext, Environment, Observation, StepResult, Turn
@@ -40,9 +40,8 @@ class SingleTurnEnv(Environment):
 
 
 async def grade(ctx: EnvContext, text: str, record) -> tuple[float, dict]:
-  """The run's reward on `text`, graded in the verifier processes off the event loop."""
-  (reward, info), = await asyncio.to_thread(ctx.grade, ctx.reward_fn, [text], [record])
-  return reward, info
+  """The run's reward on `text`, graded off the event loop in a batch with the episodes ending beside it."""
+  return await grading.grade(ctx.grade, ctx.reward_fn, text, record)
 
 
 class ToolEnv(Environment):
