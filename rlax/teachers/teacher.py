@@ -20,6 +20,7 @@ import numpy as np
 from rlax import models
 from rlax.models import hf
 from rlax.models import sharding as shd
+from rlax.rollout import packing
 from rlax.teachers.config import TeacherConfig
 from rlax.trainer import layouts
 from rlax.trainer.batch import RolloutBatch
@@ -70,10 +71,16 @@ class Teacher:
     return jax.numpy.where(loss_mask > 0, lp, 0.0)
 
   def logprobs(self, batch: RolloutBatch) -> np.ndarray:
-    """The teacher's log-probs [B, T-1] (float32, host) of a host RolloutBatch's tokens, 0 off `loss_mask`."""
-    if batch.forks is not None and np.any(np.asarray(batch.forks)):
-      raise ValueError("teacher: episodes split into rows (forks) are not scored yet; raise rollout.max_new_tokens "
-                       "so that each episode fits one row")
+    """The teacher's log-probs [B, T-1] (float32, host) of a host RolloutBatch's tokens, 0 off `loss_mask`.
+    Episodes split into rows (forks) are scored in packed rows, each segment attending as the trainer's do: one
+    fixed shape (a row of T tokens per sequence), one more program."""
+    if batch.forks is None or not np.any(np.asarray(batch.forks)):
+      return self._scored(batch)
+    B, T = batch.tokens.shape
+    packed = packing.pack_tokens(batch, packing.PackedShape(length=T, rows=B, slots=T - 1), share_prompts=False)
+    return packing.unpack_slots(self._scored(packed), packed, batch)
+
+  def _scored(self, batch) -> np.ndarray:
     layout = layouts.of(batch)
     x = {k: np.asarray(v) for k, v in layout.inputs(batch).items()}
     x.pop("routes", None)  # the policy's experts: a teacher routes afresh

@@ -58,6 +58,42 @@ def test_teacher_log_probs_match_transformers_on_scored_slots_only(teacher_dir):
   assert again.shape == got.shape and teacher.traces["teacher_logprobs"] == 1  # one program per batch shape
 
 
+def _hf_logprobs(ref, seq):
+  logits = hf_models.logits(ref, np.asarray(seq)[None])[0].astype(np.float64)
+  m = logits.max(-1, keepdims=True)
+  return logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+
+
+def test_episodes_split_into_rows_are_scored_segment_by_segment(teacher_dir):
+  """Forks: row 1's response starts a new segment at slot 3 (it attends to the prompt, not to slots 0-2), row 2's
+  at slot 4 alone (an appended token first, unscored); each scored token's log-prob is the teacher's over its own
+  segment, as transformers computes it on that segment alone."""
+  teacher = Teacher.load(TeacherConfig(hf_checkpoint=str(teacher_dir)), dtype="float32")
+  batch = _batch(np.random.default_rng(2))
+  B, T = batch.tokens.shape
+  P = batch.prompt_len
+  forks = np.zeros((B, T), np.int32)
+  forks[1, P + 3], forks[2, P + 4] = 1, 2
+  lm = np.array(batch.loss_mask)
+  lm[2, P - 1 + 4] = 0.0  # an alone segment's first token is the environment's
+  batch = batch.replace(forks=forks, loss_mask=lm)
+  got = teacher.logprobs(batch)
+  ref = hf_models.reload(teacher_dir)
+  for b, cut, alone in ((0, None, False), (1, 3, False), (2, 4, True), (3, None, False)):
+    start = int(np.argmax(batch.input_mask[b]))
+    prompt, resp = batch.tokens[b, start:P], batch.tokens[b, P:]
+    segments = [(0, len(resp))] if cut is None else [(0, cut), (cut, len(resp))]
+    for a, z in segments:
+      own = alone and a > 0
+      seq = np.concatenate([[] if own else prompt, resp[a:z]]).astype(np.int32)
+      lp = _hf_logprobs(ref, seq)
+      first = 0 if own else len(prompt)  # where the segment's response tokens start in `seq`
+      for i in range(a + (1 if own else 0), z):  # response token i, scored at slot P - 1 + i
+        want = lp[first + i - a - 1, resp[i]]
+        np.testing.assert_allclose(got[b, P - 1 + i], want, atol=2e-4, err_msg=f"row {b} token {i}")
+  assert np.all(got[lm == 0] == 0)
+
+
 def test_a_teacher_with_another_tokenizer_is_one_clear_error(tmp_path, teacher_dir):
   from rlax.models import hf
   student = tmp_path / "student"
