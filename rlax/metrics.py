@@ -77,6 +77,11 @@ class MetricsWriter:
         if k not in ("step", "time") and isinstance(v, float) and np.isfinite(v):
           self._tb.add_scalar(k, v, step)
     if self._bar is not None:
+      if self._bar.n == self._bar.initial and not self._bar.disable:  # the clock starts with the first step, not with the start-up before it
+        n = self._bar.n
+        self._bar.reset()
+        self._bar.start_t -= float(row.get("step_s") or 0.0)
+        self._bar.n = self._bar.initial = self._bar.last_print_n = n
       self._bar.update(1)
       shown = {k: f"{row[k]:.3g}" for k in ("reward", "pass_rate", "loss", "staleness_mean")
                if isinstance(row.get(k), float)}
