@@ -77,7 +77,8 @@ class MetricsWriter:
         if k not in ("step", "time") and isinstance(v, float) and np.isfinite(v):
           self._tb.add_scalar(k, v, step)
     if self._bar is not None:
-      if self._bar.n == self._bar.initial and not self._bar.disable:  # the clock starts with the first step, not with the start-up before it
+      # The clock starts with the first step (its row's step_s), not with the start-up before it.
+      if self._bar.n == self._bar.initial and not self._bar.disable:
         n = self._bar.n
         self._bar.reset()
         self._bar.start_t -= float(row.get("step_s") or 0.0)
