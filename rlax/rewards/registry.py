@@ -148,18 +148,23 @@ def missing_reference(name: str, record) -> str | None:
   None when it has it or nothing needs one (a judge, format, countdown, a user's reward). Caller:
   rlax.builders.read_files."""
   for part in name.split("+"):
-    fn = _REGISTRY.get(_TASK_ALIASES.get(record.task, record.task) if part == "auto" else part)
+    fn = _task_fn(record) if part == "auto" else _REGISTRY.get(part)
     field = _REFERENCES.get(fn)
     if field == "answer" and record.answer is None or field == "tests" and not record.tests:
       return field
   return None
 
 
+def _task_fn(record) -> RewardFn | None:
+  """The reward `record.task` names (None: no such reward)."""
+  return _REGISTRY.get(_TASK_ALIASES.get(record.task, record.task))
+
+
 def _task_reward(record) -> RewardFn:
-  task = _TASK_ALIASES.get(record.task, record.task)
-  if task not in _REGISTRY:
+  fn = _task_fn(record)
+  if fn is None:
     raise ValueError(f"record {record.id}: no reward for task {record.task!r}")
-  return _REGISTRY[task]
+  return fn
 
 
 def auto_reward(completion: str, record) -> tuple[float, dict]:

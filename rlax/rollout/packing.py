@@ -310,6 +310,12 @@ def rows_run(packed: PackedBatch, micro_batches: int, inert: np.ndarray | None =
   return R // micro_batches * int(sum(live[j::micro_batches].any() for j in range(micro_batches)))
 
 
+def is_split(batch: RolloutBatch) -> bool:
+  """Whether an episode of `batch` is split into rows (forks): such a batch is computed in packed rows. Callers:
+  `for_trainer`, rlax.teachers.Teacher.logprobs."""
+  return batch.forks is not None and bool(np.any(np.asarray(batch.forks)))
+
+
 def for_trainer(batch: RolloutBatch, trainer, row_lens, share_prompts: bool = True, padded: bool = True,
                 inert: np.ndarray | None = None):
   """The rollout as `trainer` computes it: packed rows of the length in `row_lens` that costs the fewest FLOPs
@@ -319,7 +325,7 @@ def for_trainer(batch: RolloutBatch, trainer, row_lens, share_prompts: bool = Tr
   gradient, packed apart so that their micro-batches are skipped (`pack_tokens`)."""
   lens = (row_lens,) if isinstance(row_lens, (int, PackedShape)) else tuple(row_lens)
   lens = tuple(n for n in lens if n)
-  split = batch.forks is not None and bool(np.any(batch.forks))
+  split = is_split(batch)
   if not split:
     batch = batch.replace(forks=None)
   if not lens:

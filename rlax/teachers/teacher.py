@@ -74,7 +74,7 @@ class Teacher:
     """The teacher's log-probs [B, T-1] (float32, host) of a host RolloutBatch's tokens, 0 off `loss_mask`.
     Episodes split into rows (forks) are scored in packed rows, each segment attending as the trainer's do: one
     fixed shape (a row of T tokens per sequence), one more program."""
-    if batch.forks is None or not np.any(np.asarray(batch.forks)):
+    if not packing.is_split(batch):
       return self._scored(batch)
     B, T = batch.tokens.shape
     packed = packing.pack_tokens(batch, packing.PackedShape(length=T, rows=B, slots=T - 1), share_prompts=False)
