@@ -55,8 +55,8 @@ def _even_fraction(completion: str, record):
 
 def main(argv):
   del argv
-  from rlax.allocator import reexec_with_tcmalloc, using_tcmalloc
-  reexec_with_tcmalloc()
+  from rlax.allocator import set_up, using_tcmalloc
+  set_up()
   import jax
   jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
   import numpy as np

@@ -159,8 +159,8 @@ def decode_flops(cfg, rows: int, prompt_len: int, new_tokens: int) -> float:
 
 
 def main(_):
-  from rlax.allocator import reexec_with_tcmalloc, using_tcmalloc
-  reexec_with_tcmalloc()
+  from rlax.allocator import set_up, using_tcmalloc
+  set_up()
   import jax
   if FLAGS.devices > 1:
     jax.config.update("jax_num_cpu_devices", FLAGS.devices)  # before the first JAX operation

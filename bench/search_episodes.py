@@ -39,8 +39,8 @@ FLAGS = flags.FLAGS
 
 
 def main(_):
-  from rlax.allocator import reexec_with_tcmalloc, using_tcmalloc
-  reexec_with_tcmalloc()
+  from rlax.allocator import set_up, using_tcmalloc
+  set_up()
   import jax
   from rlax import envs
   from rlax import sampler as S

@@ -35,7 +35,7 @@ from absl import app, flags
 import workload
 
 from rlax import models as M
-from rlax.allocator import reexec_with_tcmalloc, using_tcmalloc
+from rlax.allocator import set_up, using_tcmalloc
 from rlax.algorithms import get_algorithm
 from rlax.rollout import packing
 from rlax.trainer import OptimizerConfig, RolloutBatch, Trainer, response_loss_mask
@@ -142,7 +142,7 @@ def _defaults() -> None:
 
 
 def main(_):
-  reexec_with_tcmalloc()
+  set_up()
   _defaults()
   if FLAGS.devices > 1:
     jax.config.update("jax_num_cpu_devices", FLAGS.devices)  # before the first JAX operation

@@ -35,8 +35,8 @@ PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar on the conso
 
 def main(argv):
   del argv
-  from rlax.allocator import reexec_with_tcmalloc
-  reexec_with_tcmalloc()
+  from rlax.allocator import set_up
+  set_up()
   apply_cpu_devices()  # before the first JAX operation
   apply_compilation_cache()
   from rlax import multihost

@@ -1,11 +1,17 @@
-"""Runs the process under tcmalloc when the system has it (`apt-get install libtcmalloc-minimal4`).
+"""Picks the process's allocator: tcmalloc when the system has it (`apt-get install libtcmalloc-minimal4`),
+else glibc's malloc held to a few arenas.
 
 XLA:CPU allocates a program's temporaries afresh on every run. glibc serves
 blocks over its mmap threshold (at most 32 MB) with fresh mmaps and unmaps them
 on free, so every train step page-faults its gigabyte of activations back in;
 tcmalloc keeps freed pages. On the W2 step that is ~15% of the step time.
-Entry points call `reexec_with_tcmalloc()` before any JAX work; RLAX_TCMALLOC=0
-turns it off. (JAX's TPU VM images preload tcmalloc for the same reason.)
+Entry points call `set_up()` before any JAX work; RLAX_TCMALLOC=0 turns tcmalloc
+off. (JAX's TPU VM images preload tcmalloc for the same reason.)
+
+glibc gives each contending thread its own arena (up to 8 per core), and what one
+arena frees only that arena reuses: XLA's worker threads, the producer and the
+graders each held freed gigabytes apart. Two arenas cut the calculator run's peak
+RSS from 15.8 to 14.6 GB at no cost in step time.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from typing import Optional
 from absl import logging
 
 _ENV = "RLAX_TCMALLOC"
+_M_ARENA_MAX = -8  # glibc's mallopt parameter (malloc.h)
+GLIBC_ARENAS = 2
 
 
 def find_tcmalloc() -> Optional[str]:
@@ -27,6 +35,17 @@ def find_tcmalloc() -> Optional[str]:
     if lib:
       return lib
   return None
+
+
+def set_up() -> None:
+  """Runs the process under tcmalloc (`reexec_with_tcmalloc`), or else limits glibc to `GLIBC_ARENAS` arenas
+  (the threads that start later share them). Called first thing by launch.main and the benchmarks."""
+  reexec_with_tcmalloc()
+  if not using_tcmalloc() and sys.platform.startswith("linux"):
+    try:
+      ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, GLIBC_ARENAS)
+    except (OSError, AttributeError):  # another libc (musl): its own policy
+      pass
 
 
 def reexec_with_tcmalloc() -> None:

@@ -1,12 +1,14 @@
-"""rlax.allocator: entry points re-execute under tcmalloc when it is installed, never otherwise."""
+"""rlax.allocator: entry points re-execute under tcmalloc when it is installed, never otherwise; glibc is held to
+a few arenas."""
 
 import os
 import subprocess
 import sys
 
+from rlax import allocator
 from rlax.allocator import find_tcmalloc
 
-_PROBE = ("import os; from rlax.allocator import reexec_with_tcmalloc, using_tcmalloc; reexec_with_tcmalloc(); "
+_PROBE = ("import os; from rlax.allocator import set_up, using_tcmalloc; set_up(); "
           "maps = open('/proc/self/maps').read(); print(using_tcmalloc(), 'tcmalloc' in maps, os.getpid())")
 
 
@@ -26,6 +28,39 @@ def test_reexec_preloads_tcmalloc_when_installed():
 
 def test_opt_out_keeps_the_default_allocator():
   assert _probe(RLAX_TCMALLOC="0") == (False, False)
+
+
+# Eight threads each allocate once: glibc gives each thread that has none its own arena, up to 8 per core.
+# malloc_stats() prints one "Arena N:" block per arena to stderr.
+_ARENAS = """
+import ctypes, sys, threading
+from rlax import allocator
+if sys.argv[1] == "set_up":
+  allocator.set_up()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+held, ready = [], threading.Barrier(8)
+def work():
+  ready.wait()  # all alive at once, so none inherits a finished thread's arena
+  held.append(libc.malloc(4096))
+threads = [threading.Thread(target=work) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+libc.malloc_stats()
+"""
+
+
+def _arenas(mode):
+  env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_ARENA_MAX")}
+  env["RLAX_TCMALLOC"] = "0"
+  out = subprocess.run([sys.executable, "-c", _ARENAS, mode], env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  return sum(line.startswith("Arena ") for line in out.stderr.splitlines())
+
+
+def test_glibc_is_held_to_two_arenas():
+  assert _arenas("default") > allocator.GLIBC_ARENAS  # the test can tell: glibc alone spreads the threads
+  assert 1 <= _arenas("set_up") <= allocator.GLIBC_ARENAS
 
 
 def test_memory_maps_past_the_share_of_the_kernels_limit_are_warned(monkeypatch):

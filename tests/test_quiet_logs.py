@@ -10,8 +10,8 @@ _PROBE = """
 from absl import logging
 logging.set_verbosity(logging.INFO)
 logging.use_absl_handler()
-from rlax.allocator import reexec_with_tcmalloc
-reexec_with_tcmalloc()
+from rlax.allocator import set_up
+set_up()
 from rlax import rewards
 from rlax.data.records import Record
 rec = Record(id="1", prompt="p", answer="1")
