@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 from rlax import algorithms
 from rlax import models
+from rlax import services
 from rlax.data.config import DataConfig
 from rlax.envs import registry as env_registry
 from rlax.envs.config import EnvConfig
@@ -235,19 +236,11 @@ def validate(run: RunConfig) -> None:
        "weights to inf/NaN; keep master weights in float32 or bfloat16 (dtype='float16' compute is fine)"),
       (not (run.lora.enabled and run.init.sft_steps),
        "model.lora: a warm start (init.sft_steps) with adapters is not supported yet"),
-      (algo.distills == bool(run.teacher.hf_checkpoint), f"algorithm.distill_coef={algo.distill_coef} and "
-       f"teacher.hf_checkpoint={run.teacher.hf_checkpoint!r}: a distilling run needs a teacher, and only it"),
-      ((run.reward.name == "judge") == bool(run.judge.hf_checkpoint), f"reward.name={run.reward.name!r} and "
-       f"judge.hf_checkpoint={run.judge.hf_checkpoint!r}: reward.name='judge' needs a judge, and only it reads one"),
-      (run.reward.name != "judge" or (run.reward.answer == "auto" and not run.reward.format_weight
-                                      and run.rollout.slots != -1),
-       f"reward.name='judge' reads neither reward.answer={run.reward.answer!r} nor reward.format_weight="
-       f"{run.reward.format_weight}, and needs rollout.slots sized (not -1: free memory is measured before the "
-       "judge loads)"),
   ]
   for ok, msg in checks:
     if not ok:
       raise ValueError(msg)
+  services.check(run)  # the teacher's and the judge's rules
   check_workdir(run.workdir)
 
 

@@ -1,10 +1,8 @@
-"""Per-device memory of a run's trainer and sampler, before anything is built, and a check that refuses
-configs that cannot fit.
+"""Per-device memory of a run's trainer, sampler and service slices (its teacher or judge with placement "own"),
+before anything is built; rlax.memory_check holds it to the devices' budgets.
 
     est = memory.estimate(run, trainer_devices=4, sampler_devices=4)
     print(est.summary())
-    memory.check(est, trainer_budget_bytes=16 * GIB, sampler_budget_bytes=16 * GIB)   # ValueError, one line
-    memory.check_topology(run, topology)   # the same on a built topology's devices
 
 Closed form and compile-free (milliseconds), so it runs before a multi-minute compile or an OOM. The
 layouts are the runtime's own: the train state's shapes, dtypes and shardings come from
@@ -26,7 +24,7 @@ activations in the compute dtype; that is not measured here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +33,7 @@ from jax.sharding import AbstractMesh
 from rlax import builders
 from rlax import models
 from rlax import run as run_lib
+from rlax import services
 from rlax import topology
 from rlax.config import RunConfig
 from rlax.models import hf
@@ -64,6 +63,7 @@ _SAMPLING_COPIES = 4
 
 TRAINER_ITEMS = ("params", "opt_state", "grads", "ref_params", "critic", "batch", "activations", "logits")
 SAMPLER_ITEMS = ("weights", "spare_weights", "pristine_base", "fused", "kv_cache", "teacher", "judge", "scratch")
+SERVICE_ITEMS = ("teacher", "judge", "scratch")
 HOST_ITEMS = ("runtime", "checkpoint")
 # The process itself: Python, JAX/XLA and the compiled programs, tokenizer and records (after the warm-up, free
 # pages returned; 1.35 GB measured on the SmolLM2 run).
@@ -83,6 +83,9 @@ class MemoryEstimate:
   sampler_mesh: Mapping[str, int]
   host: Mapping[str, int] = dataclasses.field(default_factory=dict)  # `HOST_ITEMS`, in host RAM
   host_is_device: bool = False  # CPU devices: device memory is the host's RAM, so the host items add to it
+  service: Mapping[str, int] = dataclasses.field(default_factory=dict)  # `SERVICE_ITEMS` on the service slices
+  service_devices: int = 0
+  service_mesh: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
   @property
   def trainer_bytes(self) -> int:
@@ -95,9 +98,14 @@ class MemoryEstimate:
     return sum(self.sampler.values())
 
   @property
+  def service_bytes(self) -> int:
+    """Per service device (0 without service slices)."""
+    return sum(self.service.values())
+
+  @property
   def total_bytes(self) -> int:
     """Summed over every device (what one host's RAM must hold when all devices are fake CPU devices)."""
-    host = sum(self.host.values()) if self.host_is_device else 0
+    host = (sum(self.host.values()) if self.host_is_device else 0) + self.service_bytes * self.service_devices
     if self.colocated:
       return (self.trainer_bytes + self.sampler_bytes) * self.trainer_devices + host
     return self.trainer_bytes * self.trainer_devices + self.sampler_bytes * self.sampler_devices + host
@@ -107,7 +115,10 @@ class MemoryEstimate:
     mesh = lambda m: "x".join(f"{k}{v}" for k, v in m.items() if v > 1) or "1"
     lines = []
     for role, items, n, m in (("trainer", self.trainer, self.trainer_devices, self.trainer_mesh),
-                              ("sampler", self.sampler, self.sampler_devices, self.sampler_mesh)):
+                              ("sampler", self.sampler, self.sampler_devices, self.sampler_mesh),
+                              ("service", self.service, self.service_devices, self.service_mesh)):
+      if not n:
+        continue
       lines.append(f"{role}: {n} device(s), mesh {mesh(m)}; GiB per device")
       for k, v in items.items():
         lines.append(f"  {k:<14s}{v / GIB:9.3f}  {self.notes.get(f'{role}.{k}', '')}")
@@ -205,7 +216,8 @@ def _trainer_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
 
 
 def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dict,
-                   budget: Optional[int]) -> dict[str, int]:
+                   budget: Optional[int], beside: Sequence[str]) -> dict[str, int]:
+  """`beside`: the frozen models ("teacher", "judge") that run on the sampler's devices."""
   cfg, r = run.model, run.rollout
   S = r.max_prompt_len + r.max_new_tokens
   B = builders.slots(run, mesh, budget, platform)  # the runtime's own sizing (rollout.slots=-1: what fits)
@@ -223,8 +235,8 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
   # A weight swap recomputes every slot's cache (sampler.slots.recompute); the engine streams across versions.
   refill = mem["transient"] + _layer_acts(cfg, b * S, S, tensor, isz, _INFER_PER_ELEM)
   fused = _fused_bytes(cfg, mesh, isz, platform, layout)
-  teacher, score = _teacher_bytes(run, mesh, isz)
-  judge, judging = _judge_bytes(run, mesh, isz, platform)
+  teacher, score = _teacher_bytes(run, mesh, isz) if "teacher" in beside else (0, 0.0)
+  judge, judging = _judge_bytes(run, mesh, isz, platform) if "judge" in beside else (0, 0.0)
   programs = {"decode": sampling, "refill": refill, "prefill": prefill, "the teacher's scoring": score,
               "the judge's decode": judging}
   which = max(programs, key=programs.get)  # the first of equals, in this order
@@ -264,6 +276,21 @@ def _teacher_bytes(run: RunConfig, mesh: AbstractMesh, isz: int) -> tuple[int, f
   return sizing.weight_bytes(tcfg, mesh), logits + _layer_acts(tcfg, rows * S, S, tensor, isz, _INFER_PER_ELEM)
 
 
+def _service_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dict,
+                   own: Sequence[str]) -> dict[str, int]:
+  """The service slices: the frozen models in `own` (placement "own", rlax.services), their weights and the
+  larger of their programs' scratch (the producer's thread runs one at a time)."""
+  isz = _act_itemsize(run.model, platform)
+  teacher, score = _teacher_bytes(run, mesh, isz) if "teacher" in own else (0, 0.0)
+  judge, judging = _judge_bytes(run, mesh, isz, platform) if "judge" in own else (0, 0.0)
+  notes.update({"service.teacher": "the teacher's weights" if teacher else "none (no teacher here)",
+                "service.judge": (f"the judge's weights and its KV cache ({builders.judge_slots(run)} slots)" if judge
+                                  else "none (no judge here)"),
+                "service.scratch": "largest program scratch: " + ("the teacher's scoring" if score >= judging
+                                                                  else "the judge's decode")})
+  return dict(teacher=teacher, judge=judge, scratch=int(max(score, judging)))
+
+
 def _fused_bytes(cfg: models.ModelConfig, mesh: AbstractMesh, isz: int, platform: str, layout) -> int:
   """`Sampler.fused`'s copies: the layers (joined, or sliced per layer), the tied head transposed."""
   stacked, joined = params_lib.fused_layout(cfg, layout, platform)
@@ -285,10 +312,11 @@ def _judge_bytes(run: RunConfig, mesh: AbstractMesh, isz: int, platform: str) ->
   return int(mem["params"] + mem["cache"] + _fused_bytes(jcfg, mesh, isz, platform, layout)), sampling
 
 
-def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,
+def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *, service_devices: int = 0,
              platform: Optional[str] = None, sampler_budget_bytes: Optional[int] = None) -> MemoryEstimate:
-  """Per-device bytes of `run`'s trainer step on `trainer_devices` devices and of its sampler on
-  `sampler_devices` (the topology's mesh shapes); `platform` defaults to the default backend's.
+  """Per-device bytes of `run`'s trainer step on `trainer_devices` devices, of its sampler on `sampler_devices`
+  and of its frozen models with placement "own" on `service_devices` (0: beside the sampler, as while their
+  slices are lost); mesh shapes are the topology's; `platform` defaults to the default backend's.
   sampler_budget_bytes: what rollout.slots=-1 sizes the slots to (default: this host's first device's budget,
   as `builders.slots`)."""
   platform = platform or jax.default_backend()
@@ -300,7 +328,11 @@ def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,
   smesh = topology.abstract_mesh(topo.sampler_mesh, sampler_devices, "sampler")
   notes: dict[str, str] = {}
   trainer = _trainer_items(run, tmesh, platform, notes)
-  sampler = _sampler_items(run, smesh, platform, notes, sampler_budget_bytes)
+  own = [k for k, v in services.placements(run).items() if v == "own" and service_devices]
+  sampler = _sampler_items(run, smesh, platform, notes, sampler_budget_bytes,
+                           [k for k in services.placements(run) if k not in own])
+  vmesh = topology.abstract_mesh(topo.service_mesh, service_devices, "service") if own else None
+  service = _service_items(run, vmesh, platform, notes, own) if own else {}
   # A checkpoint save copies the train state to the host before writing it; where it blocks (on CPU devices) it
   # streams chunks of it, and the chunk replaces the step's transients (gradients, activations, logits) rather
   # than adding to them.
@@ -315,85 +347,6 @@ def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *,
                                     "transients (a save blocks between steps)" if blocks else
                                     "the train state's host copy while an async checkpoint save runs")})
   return MemoryEstimate(trainer, sampler, trainer_devices, sampler_devices, topo.colocated, notes,
-                        dict(tmesh.shape), dict(smesh.shape), host, host_is_device=platform == "cpu")
-
-
-# -- budgets and the check -------------------------------------------------------------------------------
-def _trainer_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
-  t = est.trainer
-  state = t["params"] + t["opt_state"] + t["grads"] + t["ref_params"]
-  if state >= t["activations"] + t["logits"]:
-    knob = "spread the trainer over more devices (topology.trainer_slices, topology.trainer_mesh.fsdp)"
-    if t["ref_params"]:
-      knob += " or set algorithm.kl_coef=0 (drops the reference copy)"
-    return knob
-  if run is None:
-    return "set model.overrides.remat=True and scan_layers=True or lower optimizer.micro_batch_tokens"
-  cfg, o = run.model, run.optimizer
-  knobs = []
-  if t["activations"] >= t["logits"] and not (cfg.remat and cfg.scan_layers):
-    knobs.append("set " + " and ".join(f"model.overrides.{k}=True" for k in ("remat", "scan_layers")
-                                       if not getattr(cfg, k)))
-  knobs.append("lower optimizer.micro_batch_tokens" if o.micro_batch_tokens else
-               "set optimizer.micro_batch_tokens (0 now: the whole batch is one micro-batch)")
-  knobs.append("shorten rollout.max_new_tokens")
-  return " or ".join(knobs)
-
-
-def _sampler_knob(est: MemoryEstimate, run: Optional[RunConfig]) -> str:
-  s = est.sampler
-  resident = sum(s[k] for k in ("weights", "spare_weights", "pristine_base", "fused", "teacher", "judge"))
-  if resident >= s["kv_cache"] + s["scratch"]:
-    return "shard the sampler's weights (topology.sampler_mesh.tensor > 1) or give it more devices"
-  slots = "" if run is None else f" ({run.rollout.decode_slots(run.eval.n_samples)} decode slots)"
-  return f"lower rollout.max_new_tokens or rollout.slots{slots}"
-
-
-def check(est: MemoryEstimate, trainer_budget_bytes: int, sampler_budget_bytes: int, *,
-          shared_host: bool = False, run: Optional[RunConfig] = None) -> None:
-  """Raises ValueError (one line naming the knob to turn) when the estimate exceeds the budgets.
-
-  Budgets are per device. Colocated roles add up on each device. shared_host=True (fake CPU devices,
-  one RAM): the sum over all devices is held against the sum of the budgets, so one role may use more
-  than its even share. `run` (the estimate's config) makes the suggested knob specific.
-  """
-  gib = lambda x: f"{x / GIB:.1f} GiB"
-  knob = lambda: (_trainer_knob(est, run) if est.trainer_bytes * est.trainer_devices
-                  >= est.sampler_bytes * est.sampler_devices else _sampler_knob(est, run))
-  if shared_host:
-    budget = (trainer_budget_bytes * est.trainer_devices if est.colocated else
-              trainer_budget_bytes * est.trainer_devices + sampler_budget_bytes * est.sampler_devices)
-    if est.total_bytes > budget:
-      raise ValueError(f"trainer + sampler need ~{gib(est.total_bytes)} of host memory ({est.trainer_devices} x "
-                       f"{gib(est.trainer_bytes)} trainer + {est.sampler_devices} x {gib(est.sampler_bytes)} "
-                       f"sampler) > {gib(budget)} available: {knob()}")
-    return
-  if est.colocated:
-    need = est.trainer_bytes + est.sampler_bytes
-    if need > trainer_budget_bytes:
-      raise ValueError(f"trainer + sampler (colocated) need ~{gib(need)} per device > {gib(trainer_budget_bytes)} "
-                       f"available: {knob()}")
-    return
-  if est.trainer_bytes > trainer_budget_bytes:
-    raise ValueError(f"trainer needs ~{gib(est.trainer_bytes)} per device > {gib(trainer_budget_bytes)} available: "
-                     f"{_trainer_knob(est, run)}")
-  if est.sampler_bytes > sampler_budget_bytes:
-    raise ValueError(f"sampler needs ~{gib(est.sampler_bytes)} per device > {gib(sampler_budget_bytes)} available: "
-                     f"{_sampler_knob(est, run)}")
-
-
-def check_topology(run: RunConfig, topology) -> MemoryEstimate:
-  """`estimate` on a built topology's meshes, checked against its devices' budgets; returns the estimate."""
-  tdevs = list(topology.trainer_mesh.devices.flat)
-  sdevs = list(topology.sampler_mesh.devices.flat)
-  platform = tdevs[0].platform
-  est = estimate(run, len(tdevs), len(sdevs), platform=platform)
-  if platform == "cpu":
-    # Fake CPU devices share one RAM and idle ones hold nothing: the used devices split all of it.
-    import psutil  # pylint: disable=g-import-not-at-top
-    used = len(set(tdevs) | set(sdevs))
-    share = psutil.virtual_memory().total // used
-    check(est, share, share, shared_host=True, run=run)
-  else:
-    check(est, sizing.device_budget(tdevs[0]), sizing.device_budget(sdevs[0]), run=run)
-  return est
+                        dict(tmesh.shape), dict(smesh.shape), host, host_is_device=platform == "cpu",
+                        service=service, service_devices=service_devices if own else 0,
+                        service_mesh=dict(vmesh.shape) if own else {})

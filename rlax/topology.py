@@ -6,7 +6,9 @@ roles: the trainer (reference and critic models live with it) and the sampler fl
 (both roles time-share the same slices) and disaggregated (disjoint slices) runs are the same code
 with different configs. When slices are lost, `reassign` keeps the trainer whole first, shrinking the
 sampler fleet, and falls back to colocation when no sampler slice is left; returning slices rejoin
-as samplers. Everything here except mesh building is pure logic on slice indices, so it also works
+as samplers. A third role, the *service* slices (`service_slices`), holds frozen models beside the run (a
+distilling run's teacher, a judge: `placement="own"`); losing them moves the services beside the sampler
+until a slice returns. Everything here except mesh building is pure logic on slice indices, so it also works
 on abstract TPU topology devices (`jax.experimental.topologies.get_topology_desc(...).devices`).
 """
 
@@ -40,7 +42,8 @@ class TopologyConfig:
 
   `slice_size`: devices per simulated slice; None groups by `device.slice_index` (TPU multi-slice,
   or one slice when devices have no such attribute). `sampler_slices=-1` gives the sampler every slice
-  the trainer does not take. With `colocated`, both roles use all `trainer_slices` slices. Mesh axis
+  the trainer does not take. With `colocated`, both roles use all `trainer_slices` slices. `service_slices`:
+  the last slices, kept for the run's frozen models (teacher, judge) when their placement is "own". Mesh axis
   dicts map 'data'/'fsdp'/'tensor' to sizes; one may be -1, the axis that absorbs a change in device
   count after a reassignment.
   """
@@ -51,6 +54,9 @@ class TopologyConfig:
   trainer_mesh: Mapping[str, int] = dataclasses.field(
       default_factory=lambda: {"data": 1, "fsdp": -1, "tensor": 1})
   sampler_mesh: Mapping[str, int] = dataclasses.field(
+      default_factory=lambda: {"data": -1, "fsdp": 1, "tensor": 1})
+  service_slices: int = 0
+  service_mesh: Mapping[str, int] = dataclasses.field(
       default_factory=lambda: {"data": -1, "fsdp": 1, "tensor": 1})
 
   @classmethod
@@ -77,6 +83,7 @@ class Assignment:
 
   `colocated`: the sampler time-shares the trainer's slices, either by config (`want_colocated`) or
   because preemption left no slice for it. `target_trainer`: the trainer size the config asked for.
+  `service`: the services' own slices (none: they share the sampler's); `target_service` the size asked for.
   """
   trainer: tuple[int, ...]
   sampler: tuple[int, ...]
@@ -84,6 +91,8 @@ class Assignment:
   target_trainer: int
   lost: tuple[int, ...] = ()
   want_colocated: bool = False
+  service: tuple[int, ...] = ()
+  target_service: int = 0
 
 
 def discover_slices(devices: Sequence[Any] | None = None, slice_size: int | None = None) -> tuple[Slice, ...]:
@@ -107,20 +116,25 @@ def discover_slices(devices: Sequence[Any] | None = None, slice_size: int | None
 
 
 def assign_roles(slice_indices: Sequence[int], config: TopologyConfig) -> Assignment:
-  """Initial role assignment: the first `trainer_slices` slices train, the next ones sample."""
-  idx = tuple(sorted(slice_indices))
+  """Initial role assignment: the first `trainer_slices` slices train, the next ones sample, the last
+  `service_slices` serve the run's frozen models."""
+  nv = config.service_slices
+  if nv < 0:
+    raise ValueError(f"topology.service_slices must be >= 0, got {nv}")
+  every = tuple(sorted(slice_indices))
+  idx, service = every[:len(every) - nv], every[len(every) - nv:]
   nt = config.trainer_slices
   if nt <= 0:
     raise ValueError(f"trainer_slices must be positive, got {nt}")
   if config.colocated:
     if nt > len(idx):
-      raise ValueError(f"colocated run asks for {nt} slices but only {len(idx)} exist")
-    return Assignment(idx[:nt], idx[:nt], True, nt, (), True)
+      raise ValueError(f"colocated run asks for {nt} slices (+ {nv} service) but only {len(every)} exist")
+    return Assignment(idx[:nt], idx[:nt], True, nt, (), True, service, nv)
   ns = len(idx) - nt if config.sampler_slices == -1 else config.sampler_slices
   if ns <= 0 or nt + ns > len(idx):
-    raise ValueError(f"trainer_slices={nt} + sampler_slices={config.sampler_slices} does not fit "
-                     f"{len(idx)} slices (disaggregated needs at least one sampler slice)")
-  return Assignment(idx[:nt], idx[nt:nt + ns], False, nt)
+    raise ValueError(f"trainer_slices={nt} + sampler_slices={config.sampler_slices} + service_slices={nv} does not "
+                     f"fit {len(every)} slices (disaggregated needs at least one sampler slice)")
+  return Assignment(idx[:nt], idx[nt:nt + ns], False, nt, service=service, target_service=nv)
 
 
 def reassign_roles(assignment: Assignment, lost: Iterable[int] = (), returned: Iterable[int] = ()) -> Assignment:
@@ -128,37 +142,48 @@ def reassign_roles(assignment: Assignment, lost: Iterable[int] = (), returned: I
 
   Rules, in order: lost slices leave both roles; a trainer that lost slices refills up to
   `target_trainer` by taking surviving sampler slices (lowest index first), so the trainer stays whole
-  and the sampler fleet shrinks; returned slices rejoin as samplers (or become the trainer if none is
-  left); with no sampler slice left the sampler colocates on the trainer's slices. A run configured as
-  colocated stays colocated, returned slices refilling it up to its size.
+  and the sampler fleet shrinks (then the service slices); returned slices refill the service slices up to
+  `target_service`, the rest rejoin as samplers (or become the trainer if none is left); with no sampler slice
+  left the sampler colocates on the trainer's slices, with no service slice the services share the sampler's.
+  A run configured as colocated stays colocated, returned slices refilling it up to its size.
   """
   lost, back = set(lost), set(returned)
   if back & lost:
     raise ValueError(f"slices {sorted(back & lost)} are both lost and returned")
   lost_now = (set(assignment.lost) | lost) - back
+  lost_t = tuple(sorted(lost_now))
   trainer = [s for s in assignment.trainer if s not in lost_now]
+  service = [s for s in assignment.service if s not in lost_now]
+  tv = assignment.target_service
   if assignment.want_colocated:
     spare = sorted(back - set(trainer))
-    trainer += spare[:max(0, assignment.target_trainer - len(trainer))]
+    take = max(0, assignment.target_trainer - len(trainer))
+    trainer, spare = trainer + spare[:take], spare[take:]
     if not trainer:
       raise NoHealthySlicesError(f"all slices are lost ({sorted(lost_now)}); nothing left to train on")
     t = tuple(sorted(trainer))
-    return Assignment(t, t, True, assignment.target_trainer, tuple(sorted(lost_now)), True)
+    return Assignment(t, t, True, assignment.target_trainer, lost_t, True, _refill(service, spare, tv), tv)
   degraded = assignment.colocated  # sampler was time-sharing the trainer's slices
   sampler = [] if degraded else [s for s in assignment.sampler if s not in lost_now]
   if len(trainer) < len(assignment.trainer):
-    while len(trainer) < assignment.target_trainer and sampler:
-      trainer.append(sampler.pop(0))
-  sampler = sorted(set(sampler) | (back - set(trainer)))
+    while len(trainer) < assignment.target_trainer and (sampler or service):
+      trainer.append((sampler or service).pop(0))
+  spare = sorted(back - set(trainer))
+  service_t = _refill(service, spare, tv)
+  sampler = sorted(set(sampler) | (set(spare) - set(service_t)))
   if not trainer and sampler:
     trainer.append(sampler.pop(0))
   if not trainer:
     raise NoHealthySlicesError(f"all slices are lost ({sorted(lost_now)}); nothing left to train on")
   t = tuple(sorted(trainer))
-  lost_t = tuple(sorted(lost_now))
   if not sampler:
-    return Assignment(t, t, True, assignment.target_trainer, lost_t, False)
-  return Assignment(t, tuple(sampler), False, assignment.target_trainer, lost_t, False)
+    return Assignment(t, t, True, assignment.target_trainer, lost_t, False, service_t, tv)
+  return Assignment(t, tuple(sampler), False, assignment.target_trainer, lost_t, False, service_t, tv)
+
+
+def _refill(service: list[int], spare: list[int], target: int) -> tuple[int, ...]:
+  """The service slices after returned `spare` ones refill them up to `target` (lowest index first)."""
+  return tuple(sorted(service + spare[:max(0, target - len(service))]))
 
 
 def _mesh(devices: Sequence[Any], axes: Mapping[str, int], role: str) -> Mesh:
@@ -186,12 +211,14 @@ def abstract_mesh(axes: Mapping[str, int], devices: int, role: str) -> AbstractM
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-  """Slices, their role assignment and one mesh per role."""
+  """Slices, their role assignment and one mesh per role. `service_mesh`: where the run's frozen models with
+  placement "own" run: their own slices, else (none configured, or all lost) the sampler's mesh."""
   config: TopologyConfig
   slices: tuple[Slice, ...]
   assignment: Assignment
   trainer_mesh: Mesh
   sampler_mesh: Mesh
+  service_mesh: Mesh
 
   @property
   def colocated(self) -> bool:
@@ -207,7 +234,9 @@ def _build(config: TopologyConfig, slices: tuple[Slice, ...], assignment: Assign
   devs = lambda idx: [d for i in idx for d in by_index[i].devices]
   trainer_mesh = _mesh(devs(assignment.trainer), config.trainer_mesh, "trainer")
   sampler_mesh = _mesh(devs(assignment.sampler), config.sampler_mesh, "sampler")
-  return Topology(config, slices, assignment, trainer_mesh, sampler_mesh)
+  service_mesh = (_mesh(devs(assignment.service), config.service_mesh, "service") if assignment.service
+                  else sampler_mesh)
+  return Topology(config, slices, assignment, trainer_mesh, sampler_mesh, service_mesh)
 
 
 def build_topology(config: TopologyConfig | Mapping[str, Any], devices: Sequence[Any] | None = None) -> Topology:

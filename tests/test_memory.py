@@ -12,6 +12,7 @@ import pytest
 from rlax import builders
 from rlax import config as config_lib
 from rlax import memory
+from rlax import memory_check
 from rlax import run as run_lib
 from rlax import topology
 from rlax import models
@@ -165,9 +166,9 @@ def test_check_refuses_in_one_line_naming_the_knob():
   line = re.compile(r"^trainer needs ~[\d.]+ GiB per device > [\d.]+ GiB available: (.*)$")
   run = _run()
   est = memory.estimate(run, 1, 1)
-  memory.check(est, est.trainer_bytes, est.sampler_bytes)  # exactly enough
+  memory_check.check(est, est.trainer_bytes, est.sampler_bytes)  # exactly enough
   with pytest.raises(ValueError) as e:
-    memory.check(est, 2 ** 20, GIB, run=run)
+    memory_check.check(est, 2 ** 20, GIB, run=run)
   knob = line.match(str(e.value)).group(1)
   assert "model.overrides.remat=True and model.overrides.scan_layers=True" in knob
   assert "set optimizer.micro_batch_tokens" in knob
@@ -175,13 +176,13 @@ def test_check_refuses_in_one_line_naming_the_knob():
   run = _run(model=dict(remat=True, scan_layers=True), optimizer=dict(micro_batch_tokens=4096),
              rollout=dict(max_new_tokens=1024))
   with pytest.raises(ValueError) as e:
-    memory.check(memory.estimate(run, 1, 1), 2 ** 20, GIB, run=run)
+    memory_check.check(memory.estimate(run, 1, 1), 2 ** 20, GIB, run=run)
   assert line.match(str(e.value)).group(1) == "lower optimizer.micro_batch_tokens or shorten rollout.max_new_tokens"
   # A big model on short rows: the train state dominates, so more devices (and no reference copy).
   run = _run(model=dict(d_model=1024, mlp_dim=4096, n_heads=8, head_dim=128), rollout=dict(max_prompt_len=4,
              max_new_tokens=4), algorithm=dict(kl_coef=0.04))
   with pytest.raises(ValueError, match=r"topology.trainer_mesh.fsdp.*algorithm.kl_coef=0") as e:
-    memory.check(memory.estimate(run, 1, 1), 2 ** 20, GIB, run=run)
+    memory_check.check(memory.estimate(run, 1, 1), 2 ** 20, GIB, run=run)
   assert "\n" not in str(e.value)
   # Many eval rows x long generations: the sampler's KV cache.
   run = _run(rollout=dict(max_new_tokens=2048), eval_samples=64)
@@ -189,7 +190,7 @@ def test_check_refuses_in_one_line_naming_the_knob():
   assert est.sampler["kv_cache"] > est.sampler["weights"]
   with pytest.raises(ValueError, match=r"^sampler needs ~[\d.]+ GiB per device > [\d.]+ GiB available: lower "
                                        r"rollout.max_new_tokens or rollout.slots \(64 decode slots\)$"):
-    memory.check(est, est.trainer_bytes, est.sampler_bytes - 1, run=run)
+    memory_check.check(est, est.trainer_bytes, est.sampler_bytes - 1, run=run)
 
 
 def test_engine_cache_is_its_slots():
@@ -201,7 +202,7 @@ def test_engine_cache_is_its_slots():
   engine = _sampler(run, None)
   assert engine.slots == B and engine.memory["cache"] == s["kv_cache"]
   with pytest.raises(ValueError, match=r"lower rollout.max_new_tokens or rollout.slots \(16 decode slots\)$"):
-    memory.check(memory.estimate(run, 1, 1), GIB, s["weights"], run=run)
+    memory_check.check(memory.estimate(run, 1, 1), GIB, s["weights"], run=run)
   assert r.decode_slots(8) == 16 and _run(rollout=dict(prompts_per_step=3), eval_samples=8).rollout.decode_slots(8) == 16
 
 
@@ -234,11 +235,11 @@ def test_colocated_roles_add_up_on_each_device():
   est = memory.estimate(_run(topology=dict(colocated=True)), 2, 2, platform="tpu")  # devices only
   assert est.colocated
   both = est.trainer_bytes + est.sampler_bytes
-  memory.check(est, both, 0)  # the sampler's budget is the trainer's: same devices
+  memory_check.check(est, both, 0)  # the sampler's budget is the trainer's: same devices
   with pytest.raises(ValueError, match=r"^trainer \+ sampler \(colocated\) need ~[\d.]+ GiB per device"):
-    memory.check(est, both - 1, both)
+    memory_check.check(est, both - 1, both)
   apart = memory.estimate(_run(), 2, 2, platform="tpu")
-  memory.check(apart, both - 1, both)  # disjoint devices: each role alone must fit
+  memory_check.check(apart, both - 1, both)  # disjoint devices: each role alone must fit
   assert est.total_bytes == 2 * both == apart.total_bytes
 
 
@@ -249,11 +250,11 @@ def test_shared_host_compares_the_sum_over_devices():
   # Even shares of one RAM: the trainer may use more than its share while the sampler uses less.
   share = (t + s) // 2 + 1
   with pytest.raises(ValueError, match="^trainer needs"):
-    memory.check(est, share, share)
-  memory.check(est, share, share, shared_host=True)
+    memory_check.check(est, share, share)
+  memory_check.check(est, share, share, shared_host=True)
   with pytest.raises(ValueError, match=r"^trainer \+ sampler need ~[\d.]+ GiB of host memory \(2 x [\d.]+ GiB "
                                        r"trainer \+ 2 x [\d.]+ GiB sampler\) > [\d.]+ GiB available: "):
-    memory.check(est, share - 2, share - 2, shared_host=True)
+    memory_check.check(est, share - 2, share - 2, shared_host=True)
 
 
 def test_device_budget():
@@ -299,12 +300,12 @@ def test_summary_lists_every_item_in_gib():
 def test_check_topology_on_fake_cpu_devices():
   run = _run(topology=dict(slice_size=2, trainer_slices=2, sampler_slices=2))
   topo = build_topology(run.topology)
-  est = memory.check_topology(run, topo)
+  est = memory_check.check_topology(run, topo)
   assert (est.trainer_devices, est.sampler_devices) == (4, 4)
   huge = _run(topology=dict(slice_size=2, trainer_slices=2, sampler_slices=2),
               model=dict(d_model=8192, mlp_dim=32768, n_heads=64, head_dim=128, n_layers=32))
   with pytest.raises(ValueError, match="of host memory"):
-    memory.check_topology(huge, build_topology(huge.topology))
+    memory_check.check_topology(huge, build_topology(huge.topology))
 
 
 def test_idle_fake_cpu_devices_leave_their_ram_to_the_used_ones(monkeypatch):
@@ -315,10 +316,10 @@ def test_idle_fake_cpu_devices_leave_their_ram_to_the_used_ones(monkeypatch):
   need = memory.estimate(run, 1, 1, platform="cpu").total_bytes
   mem = collections.namedtuple("mem", "total")
   monkeypatch.setattr(psutil, "virtual_memory", lambda: mem(int(need * 1.5)))
-  memory.check_topology(run, topo)  # 8 even shares would give these two devices 0.375x what they need
+  memory_check.check_topology(run, topo)  # 8 even shares would give these two devices 0.375x what they need
   monkeypatch.setattr(psutil, "virtual_memory", lambda: mem(int(need * 0.9)))
   with pytest.raises(ValueError, match="of host memory"):
-    memory.check_topology(run, topo)
+    memory_check.check_topology(run, topo)
 
 
 def test_host_items_add_to_the_total_where_devices_are_host_memory():

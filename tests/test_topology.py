@@ -144,3 +144,42 @@ def test_multislice_grouping_by_slice_index():
   fi.lose(2)
   with pytest.raises(T.SliceLostError, match="slice 2"):
     fi.ensure_alive(topo.sampler_mesh)
+
+
+def _with_service(**kw):
+  """Slices 0 train, 1-2 sample, 3 serves the run's frozen models."""
+  return T.build_topology({"slice_size": 2, "trainer_slices": 1, "service_slices": 1, **kw})
+
+
+def test_service_slices_are_the_last_and_have_their_own_mesh():
+  topo = _with_service(service_mesh={"tensor": 2})
+  a = topo.assignment
+  assert (a.trainer, a.sampler, a.service, a.target_service) == ((0,), (1, 2), (3,), 1)
+  assert _ids(topo.service_mesh) == [6, 7] and dict(topo.service_mesh.shape)["tensor"] == 2
+  plain = T.build_topology(dict(slice_size=2, trainer_slices=1))
+  assert plain.assignment.service == () and plain.service_mesh is plain.sampler_mesh  # nothing of its own
+  colo = _with_service(colocated=True, trainer_slices=3)
+  assert colo.assignment.trainer == colo.assignment.sampler == (0, 1, 2) and colo.assignment.service == (3,)
+  with pytest.raises(ValueError, match="service_slices=3 does not fit 4 slices"):
+    T.build_topology(dict(slice_size=2, trainer_slices=1, service_slices=3))
+  with pytest.raises(ValueError, match="service_slices must be >= 0"):
+    T.build_topology(dict(slice_size=2, service_slices=-1))
+
+
+def test_lost_service_slices_move_the_services_beside_the_sampler_until_they_return():
+  lost = T.reassign(_with_service(), lost_slices=[3])
+  assert lost.assignment.service == () and lost.assignment.sampler == (1, 2)
+  assert lost.service_mesh is lost.sampler_mesh
+  back = T.reassign(lost, returned_slices=[3])
+  assert back.assignment.service == (3,) and back.assignment.sampler == (1, 2) and _ids(back.service_mesh) == [6, 7]
+  # A returned slice refills the service first; one more than it needs rejoins the samplers.
+  both = T.reassign(T.reassign(_with_service(), lost_slices=[2, 3]), returned_slices=[2, 3])
+  assert both.assignment.service == (2,) and both.assignment.sampler == (1, 3)
+
+
+def test_the_trainer_takes_a_sampler_slice_before_a_service_slice():
+  topo = T.reassign(_with_service(), lost_slices=[0])
+  assert (topo.assignment.trainer, topo.assignment.sampler, topo.assignment.service) == ((1,), (2,), (3,))
+  last = T.reassign(_with_service(), lost_slices=[0, 1, 2])  # no sampler slice left: the service's goes
+  assert last.assignment.trainer == (3,) and last.colocated and last.assignment.service == ()
+  assert _ids(last.service_mesh) == _ids(last.trainer_mesh) == [6, 7]

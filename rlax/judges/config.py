@@ -6,8 +6,7 @@ import dataclasses
 import os
 
 from rlax.judges import verdicts
-
-PLACEMENTS = ("sampler",)
+from rlax.services import PLACEMENTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +18,8 @@ class JudgeConfig:
   JSON object: a number, a boolean or a label). labels: "word=value,..." (case-insensitive). max_prompt_len /
   max_new_tokens: the judge's prompt (a longer reply is cut to fit) and verdict budgets. slots: replies judged at
   once (0: the rollouts of one step). timeout_s: a batch's deadline: replies not judged by then get reward 0,
-  counted. log_samples: replies per batch written with their verdicts to <workdir>/logs/judge.jsonl."""
+  counted. log_samples: replies per batch written with their verdicts to <workdir>/logs/judge.jsonl. placement:
+  as teacher.placement ("sampler" or "own", rlax.services)."""
   hf_checkpoint: str = ""
   placement: str = "sampler"
   rubric: str = "The reply answers the question correctly."

@@ -235,6 +235,7 @@ class RolloutProducer:
       batch, (lens, truncated, sources), stats = self._stream_batch(stream, s) if stream else self.batch(s)
       if self.teacher is not None:  # the sampler's thread, so the trainer does not wait on it
         t1 = time.perf_counter()
+        self.ensure_alive(self.teacher.mesh)
         batch = batch.replace(teacher_logprobs=self.teacher.logprobs(batch))
         stats["teacher_s"] = time.perf_counter() - t1
       rw = np.asarray(batch.rewards)

@@ -107,7 +107,8 @@ class Faults:
       why[str(sl)] = (f"lost at step {e['step']} (faults.lose_slice_at {sl}:{e['at_step']}); "
                       + (f"returns at step {back[0]}" if back else "no return scheduled"))
     self.log({"event": "restart", "missing": missing, "why": why, "trainer": list(topo.assignment.trainer),
-              "sampler": list(topo.assignment.sampler), "colocated": topo.assignment.colocated, "pid": os.getpid(),
+              "sampler": list(topo.assignment.sampler), "service": list(topo.assignment.service),
+              "colocated": topo.assignment.colocated, "pid": os.getpid(),
               "time": time.time()})
     logging.warning("restart after slice faults: %s → trainer %s, sampler %s%s",
                     "; ".join(f"slice {k} missing: {v}" for k, v in why.items()) or "no slice missing",
@@ -209,7 +210,7 @@ def recover(run: RunConfig, parts: builders.Components, faults: Faults, err: Bas
   faults.end_recovery()
   event = {"event": "recovered", "kind": type(err).__name__, "lost": sorted(lost), "returned": sorted(back),
            "trainer": list(topo.assignment.trainer), "sampler": list(topo.assignment.sampler),
-           "colocated": topo.assignment.colocated, "step": from_step, "resume_step": step,
+           "service": list(topo.assignment.service), "colocated": topo.assignment.colocated, "step": from_step, "resume_step": step,
            "steps_lost": from_step - step, "recovery_s": time.perf_counter() - t0, "time": time.time()}
   faults.events.append(event)
   faults.log(event)

@@ -17,6 +17,7 @@ from rlax import allocator
 from rlax import builders
 from rlax import evaluation
 from rlax import judges
+from rlax import services
 from rlax.config import RunConfig
 from rlax.data.prompts import PromptRenderer
 from rlax.data.records import Record
@@ -63,33 +64,46 @@ class SamplerRole:
     self.roles.send_eval(tag, res)
     return res
 
+  def _mesh(self, parts, name: str):
+    """Where the teacher / judge runs now (rlax.services), said once per move when its own slices are lost."""
+    placement = getattr(self.run, name).placement
+    if placement == "own" and not parts.topology.assignment.service:
+      logging.warning("the service slices are lost: the %s runs on the sampler's devices until they return", name)
+    return services.mesh(parts.topology, placement)
+
   def teacher(self, parts):
-    """A distilling run's teacher, beside the sampler (teacher.placement="sampler"): loaded once per sampler mesh."""
-    if self.run.algorithm.distills and (self._teacher is None or self._teacher.mesh is not parts.sampler.mesh):
-      self._teacher = builders.teacher(self.run, parts.sampler.mesh, self.tokenizer)
+    """A distilling run's teacher on its mesh (teacher.placement): loaded once per mesh."""
+    if not self.run.algorithm.distills:
+      return None
+    if self._teacher is None or self._teacher.mesh != services.mesh(parts.topology, self.run.teacher.placement):
+      self._teacher = None  # the old mesh's teacher goes before the new one loads
+      self._teacher = builders.teacher(self.run, self._mesh(parts, "teacher"), self.tokenizer)
     return self._teacher
 
   def judge(self, parts):
-    """A judging run's judge, beside the sampler (judge.placement="sampler"): loaded and warmed up once per
-    sampler mesh, and handed to the run's reward entry (judges.JudgeReward), which grades through it."""
+    """A judging run's judge on its mesh (judge.placement): loaded and warmed up once per mesh, and handed to
+    the run's reward entry (judges.JudgeReward), which grades through it."""
     entry = self.reward_fn
     if not isinstance(entry, judges.JudgeReward):
       return None
-    if entry.judge is None or entry.judge.engine.mesh is not parts.sampler.mesh:
-      entry.judge = None  # the old mesh's judge goes before the new one loads
-      judge = builders.judge(self.run, parts.sampler.mesh)
+    if entry.judge is None or entry.judge.engine.mesh != services.mesh(parts.topology, self.run.judge.placement):
+      entry.judge = None
+      judge = builders.judge(self.run, self._mesh(parts, "judge"))
       judge.warm_up()
       entry.judge = judge
     return entry.judge
 
   def producer(self, parts, sink: Callable) -> RolloutProducer:
     run = self.run
-    self.judge(parts)
+    judge = self.judge(parts)
+    alive = self.ensure_alive
+    if judge is not None:  # the judge grades inside the sampler's rounds: its slices are checked with them
+      alive = lambda mesh: (self.ensure_alive(mesh), self.ensure_alive(judge.engine.mesh))
     return RolloutProducer(sampler=parts.sampler, weights=parts.weights, data=self.data, render=self.render,
                            reward_fn=self.reward_fn, grade=self.pool.grade, method=builders.sampling_method(run),
                            rollout=run.rollout, max_staleness=run.controller.max_staleness,
                            deterministic=run.deterministic, dynamic_sampling=run.controller.dynamic_sampling,
-                           seed=run.seed, sink=sink, ensure_alive=self.ensure_alive,
+                           seed=run.seed, sink=sink, ensure_alive=alive,
                            stale_policy=run.controller.stale_policy, episodes=self.episodes,
                            teacher=self.teacher(parts))
 

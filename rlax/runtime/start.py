@@ -10,7 +10,7 @@ from absl import logging
 import jax
 
 from rlax import builders
-from rlax import memory
+from rlax import memory_check
 from rlax.config import RunConfig
 from rlax.data.prompts import PromptRenderer
 from rlax.data.records import Record
@@ -38,7 +38,7 @@ def process_parts(run: RunConfig, tok: Tokenizer) -> tuple[Optional[Channel], fa
   faults = failover.Faults(run, topology)
   topology = faults.restart_topology(topology)
   # Before anything compiles: a config that cannot fit fails here, naming the knob to change.
-  logging.info("memory estimate per device:\n%s", memory.check_topology(run, topology).summary())
+  logging.info("memory estimate per device:\n%s", memory_check.check_topology(run, topology).summary())
   return channel, faults, builders.components(run, topology, tok=tok, channel=channel)
 
 

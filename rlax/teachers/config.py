@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
-PLACEMENTS = ("sampler",)
+from rlax.services import PLACEMENTS
 
 
 @dataclasses.dataclass(frozen=True)
 class TeacherConfig:
   """teacher.hf_checkpoint: an HF model directory (an rlax export is one) whose log-probs of every sampled token
   drive `algorithm.distill_coef`; "" = none. placement: the devices it runs on ("sampler": beside the sampler,
-  between its batches). temperature: the teacher's softmax temperature. chunk: positions per log-softmax chunk."""
+  between its batches; "own": topology.service_slices, see rlax.services). temperature: the teacher's softmax temperature. chunk: positions per log-softmax chunk."""
   hf_checkpoint: str = ""
   placement: str = "sampler"
   temperature: float = 1.0

@@ -2,6 +2,7 @@
 
 import torch
 
+from configs import base
 from harness import hf_models
 from rlax.judges import Judge, JudgeConfig
 from rlax.models import hf
@@ -29,3 +30,24 @@ def programmed(path, word: str, record, **judge_fields):
       model.model.embed_tokens.weight[a] = basis[k] * d ** 0.5  # rms 1: the final norm passes it unchanged
       model.lm_head.weight[b] = basis[k] * 10.0
   model.save_pretrained(path)
+
+
+TEMPLATE = "q: {question}\na: {reply}"
+
+
+def run_config(tmp_path):
+  """A judged run's config on one-device slices: the tiny policy in tmp_path/policy, a programmed judge in
+  tmp_path/judge (labels "four" = 1, "hi" = 0), tmp_path/train.jsonl."""
+  c = base.get_config()
+  c.workdir = str(tmp_path / "run")
+  c.model.hf_checkpoint = str(tmp_path / "policy")
+  c.model.overrides = dict(dtype="float32")
+  c.topology.update(slice_size=1, trainer_slices=1, sampler_slices=1)
+  c.rollout.update(prompts_per_step=2, samples_per_prompt=2, max_prompt_len=24, max_new_tokens=6)
+  c.controller.update(steps=2, max_staleness=1)
+  c.data.update(train_files=str(tmp_path / "train.jsonl"), n_eval=2)
+  c.eval.n_samples = 2
+  c.reward.name = "judge"
+  c.judge.update(hf_checkpoint=str(tmp_path / "judge"), template=TEMPLATE, verdict="label", labels="four=1,hi=0",
+                 max_prompt_len=96, max_new_tokens=4)
+  return c

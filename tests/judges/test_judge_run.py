@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from configs import base
 from harness import hf_models
 from harness import judges as judges_harness
 from rlax import config as config_lib
@@ -14,23 +13,11 @@ from rlax.data.records import Record, write_jsonl
 from rlax.runtime import Controller
 
 PROMPTS = ["what is two plus two?", "solve twelve plus thirty", "the cat sat on the mat", "hi"]
-TEMPLATE = "q: {question}\na: {reply}"
+TEMPLATE = judges_harness.TEMPLATE
 
 
 def _config(tmp_path):
-  c = base.get_config()
-  c.workdir = str(tmp_path / "run")
-  c.model.hf_checkpoint = str(tmp_path / "policy")
-  c.model.overrides = dict(dtype="float32")
-  c.topology.update(slice_size=1, trainer_slices=1, sampler_slices=1)
-  c.rollout.update(prompts_per_step=2, samples_per_prompt=2, max_prompt_len=24, max_new_tokens=6)
-  c.controller.update(steps=2, max_staleness=1)
-  c.data.update(train_files=str(tmp_path / "train.jsonl"), n_eval=2)
-  c.eval.n_samples = 2
-  c.reward.name = "judge"
-  c.judge.update(hf_checkpoint=str(tmp_path / "judge"), template=TEMPLATE, verdict="label", labels="four=1,hi=0",
-                 max_prompt_len=96, max_new_tokens=4)
-  return c
+  return judges_harness.run_config(tmp_path)
 
 
 def test_a_judged_run_rewards_every_reply_with_the_judges_verdict(tmp_path):

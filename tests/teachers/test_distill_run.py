@@ -1,6 +1,7 @@
 """On-policy distillation end to end: a tiny random HF student and a teacher (the student with 3x its logits, the
 same tokenizer) scored beside the sampler, in the rollout path: its cost and the reverse KL in every metrics row,
-one teacher program, nothing compiled after the first step. (That the update descends the reverse KL is
+one teacher program, nothing compiled after the first step; on a slice of its own (teacher.placement="own"), it
+runs beside the sampler while that slice is lost. (That the update descends the reverse KL is
 tests/teachers/test_teacher.py's.)"""
 
 from configs import base
@@ -11,7 +12,7 @@ from rlax.runtime import Controller
 PROMPTS = ["what is two plus two?", "solve twelve plus thirty", "the cat sat on the mat", "hi"]
 
 
-def test_a_distilling_run_scores_every_batch_with_its_teacher(tmp_path):
+def _config(tmp_path, **topology):
   hf_models.make_dir(tmp_path / "student", "llama", tie=False, seed=0)
   hf_models.make_dir(tmp_path / "teacher", "llama", tie=False, seed=0)
   sharp = hf_models.reload(tmp_path / "teacher")  # the student with 3x its logits: a sharper policy
@@ -23,7 +24,7 @@ def test_a_distilling_run_scores_every_batch_with_its_teacher(tmp_path):
   c.workdir = str(tmp_path / "run")
   c.model.hf_checkpoint = str(tmp_path / "student")
   c.model.overrides = dict(dtype="float32")
-  c.topology.update(slice_size=1, trainer_slices=1, sampler_slices=1)
+  c.topology.update(slice_size=1, trainer_slices=1, sampler_slices=1, **topology)
   c.algorithm.name = "distill"
   c.teacher.hf_checkpoint = str(tmp_path / "teacher")
   c.rollout.update(prompts_per_step=2, samples_per_prompt=4, max_prompt_len=24, max_new_tokens=8)
@@ -31,10 +32,29 @@ def test_a_distilling_run_scores_every_batch_with_its_teacher(tmp_path):
   c.optimizer.update(lr=1e-3, warmup_steps=0)
   c.data.update(train_files=str(tmp_path / "train.jsonl"), n_eval=2)
   c.eval.n_samples = 2
-  ctl = Controller(c, progress=False, reward_fn=lambda text, record: (0.0, {}))
+  return c
+
+
+def test_a_distilling_run_scores_every_batch_with_its_teacher(tmp_path):
+  ctl = Controller(_config(tmp_path), progress=False, reward_fn=lambda text, record: (0.0, {}))
   out = ctl.run()
   assert out["steps"] == 3
   rows = ctl.metrics.history
   assert all(r["teacher_s"] > 0 and r["teacher_kl"] > 0 for r in rows)
   assert all(r["compiles"] == 0 for r in rows[1:])
   assert ctl.sampling.teacher(ctl.parts).traces["teacher_logprobs"] == 1
+
+
+def test_a_teacher_on_its_own_slice_moves_beside_the_sampler_while_it_is_lost(tmp_path):
+  c = _config(tmp_path, service_slices=1)  # trainer: slice 0, sampler: 1, teacher: 7 (the last)
+  c.teacher.placement = "own"
+  # The producer runs up to two batches ahead: the loss surfaces by step 3, the return at step 4.
+  c.faults.update(lose_slice_at="7:1", restore_slice_at="7:4")
+  c.controller.steps = 5
+  ctl = Controller(c, progress=False, reward_fn=lambda text, record: (0.0, {}))
+  assert [d.id for d in ctl.sampling.teacher(ctl.parts).mesh.devices.flat] == [7]
+  out = ctl.run()
+  assert out["steps"] == 5 and all(r["teacher_s"] > 0 and r["teacher_kl"] > 0 for r in ctl.metrics.history)
+  lost, back = [(e["service"], e["sampler"], e["steps_lost"]) for e in ctl.faults.events]
+  assert lost == ([], [1], 0) and back == ([7], [1], 0)  # the trainer's steps are never redone
+  assert [d.id for d in ctl.sampling.teacher(ctl.parts).mesh.devices.flat] == [7]
