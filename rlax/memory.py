@@ -34,6 +34,7 @@ from rlax import builders
 from rlax import models
 from rlax import run as run_lib
 from rlax import services
+from rlax import teachers
 from rlax import topology
 from rlax.config import RunConfig
 from rlax.models import hf
@@ -270,7 +271,8 @@ def _teacher_bytes(run: RunConfig, mesh: AbstractMesh, isz: int) -> tuple[int, f
     return 0, 0.0
   tcfg = hf.read_config(run.teacher.hf_checkpoint, dtype=run.model.dtype)
   r = run.rollout
-  S, rows = r.max_prompt_len + r.max_new_tokens, r.rows // shd.row_shards(mesh, r.rows)
+  batch = r.rows // teachers.row_passes(r.rows, run.teacher.rows_per_pass)  # rows scored at once
+  S, rows = r.max_prompt_len + r.max_new_tokens, batch // shd.row_shards(mesh, batch)
   tensor = dict(mesh.shape)["tensor"]
   logits = _LOGIT_COPIES * rows * min(run.teacher.chunk, S) * _split(tcfg.vocab_size, tensor) * 4
   return sizing.weight_bytes(tcfg, mesh), logits + _layer_acts(tcfg, rows * S, S, tensor, isz, _INFER_PER_ELEM)

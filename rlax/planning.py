@@ -26,6 +26,9 @@ What it lowers (rlax.planning_programs), against what the run compiles:
     buckets (all smaller than those lowered), gather / grow between buckets (copies of the slot state, no
     weights) and multi-turn extensions (compiled lazily).
   weights: the push's three parts (not colocated) and with LoRA the sampler's merge.
+  teacher (a distilling run): `teacher_score`, its log-probs of one step's padded rows (in
+    teacher.rows_per_pass passes), on its mesh (rlax.services: its own slices or the sampler's). Not lowered: the packed rows of a batch whose episodes
+    were split into rows (forks), the judge's programs.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from rlax import config as config_lib
 from rlax import models
 from rlax import planning_programs as lowerings
 from rlax import planning_sync
+from rlax import services
+from rlax import teachers
 from rlax.models import expert_parallel, variation
 from rlax.models import sharding as shd
 from rlax.multihost import CrossMeshPush
@@ -54,6 +59,7 @@ GIB = 2 ** 30
 PROGRAMS = ("trainer_step", "sampler_prefill", "sampler_admit", "sampler_decode", "sampler_recompute",
             "push_to_transport", "push_cross", "push_to_sampler")
 LORA_PROGRAMS = ("sampler_merge",)  # with model.lora: the adapters merged into the sampler's pristine base
+SERVICE_PROGRAMS = ("teacher_score",)  # a distilling run's teacher
 
 
 class PlanError(ValueError):
@@ -188,7 +194,7 @@ def _mesh_desc(mesh) -> str:
 def selected_programs(p) -> tuple[str, ...]:
   """The programs `p.programs` names (comma-separated; "" = all), in PROGRAMS order; ValueError on unknown names."""
   names = [n.strip() for n in (p.programs or "").split(",") if n.strip()]
-  known = PROGRAMS + LORA_PROGRAMS
+  known = PROGRAMS + LORA_PROGRAMS + SERVICE_PROGRAMS
   unknown = sorted(set(names) - set(known))
   if unknown:
     raise ValueError(f"plan.programs: unknown program(s) {', '.join(unknown)}; known: {', '.join(known)}")
@@ -256,8 +262,21 @@ def make_plan(c) -> dict[str, Any]:
       if name in want:
         low = lowerings.Lowering(name, lambda lowered=lowered: lowered)
         progs.append(_analyze(low, _mesh_desc(meshes[name]), chip, extra_s=lower_s)[0])
-  shapes = {low.name: low.shape for low in [*train, *sampler_all]}
+  scoring = [_teacher_lowering(c, topo, devices)] if c.algorithm.distills and "teacher_score" in want else []
+  progs += [_analyze(low, desc, chip)[0] for low, desc in scoring]
+  shapes = {low.name: low.shape for low in [*train, *sampler_all, *(low for low, _ in scoring)]}
   return _table(c, chip, cfg, topo, progs, devices, sampler, decode, shapes)
+
+
+def _teacher_lowering(c, topo: Topology, devices) -> tuple[lowerings.Lowering, str]:
+  """The teacher's scoring of one step's rows (rlax.teachers.Teacher.lower) from its config.json, and its mesh."""
+  mesh, r = services.mesh(topo, c.teacher.placement), c.rollout
+  teacher = teachers.Teacher.abstract(c.teacher, on_first_slices(mesh, devices), dtype=c.model.dtype)
+  length = r.max_prompt_len + r.max_new_tokens
+  low = lowerings.Lowering("teacher_score", lambda: teacher.lower(r.rows, r.max_prompt_len, length),
+                           est_flops=lowerings.model_flops(teacher.cfg, r.rows * length, length // 2) / mesh.size,
+                           shape=dict(rows=r.rows, length=length, params=teacher.cfg.num_params()))
+  return low, _mesh_desc(mesh)
 
 
 def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[Program], devices, sampler: Sampler,
@@ -272,6 +291,8 @@ def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[P
                      train_mfu_flops_per_chip=by["trainer_step"].est_flops)
   if "sampler_prefill" in by:
     estimates.update(prefill_s=by["sampler_prefill"].roofline_s(chip))
+  if "teacher_score" in by:
+    estimates.update(teacher_score_s=by["teacher_score"].roofline_s(chip))
   if "sampler_decode" in by:
     # Its bytes are counted, not assumed: XLA over the unrolled layers (+ the kernel's page reads).
     by["sampler_decode"].est_bytes = decode["step_bytes"]
@@ -287,6 +308,7 @@ def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[P
       config=dict(model=c.model_preset, params=cfg.num_params(), devices=len(devices),
                   topology=f"{c.plan.topology} x {c.plan.num_slices}", chip=chip.name,
                   trainer_mesh=dict(topo.trainer_mesh.shape), sampler_mesh=dict(topo.sampler_mesh.shape),
+                  service_mesh=dict(topo.service_mesh.shape) if topo.assignment.service else None,
                   batch_rows=rows, seq_len=seq, micro_batches=c.optimizer.micro_batches,
                   sampler_slots=sampler.slots, slot_buckets=list(sampler.slot_buckets), lora_rank=c.lora.rank,
                   train_programs=[dict(name=n, **s) for n, s in shapes.items() if n.startswith("trainer_step")]),
@@ -333,6 +355,8 @@ _KNOBS = {
                       "more tensor parallelism (topology.sampler_mesh.tensor)"),
     "sampler_recompute": ("fewer slots (rollout.slots) or rollout.on_swap='keep'",
                           "more tensor parallelism (topology.sampler_mesh.tensor)"),
+    "teacher_score": ("fewer rows at once (teacher.rows_per_pass) or a smaller teacher.chunk",
+                      "more service devices (topology.service_slices) or topology.service_mesh.tensor"),
 }
 
 

@@ -58,8 +58,13 @@ def check(run) -> None:
 
 def mesh(topology, placement: str) -> Any:
   """The mesh a frozen model with `placement` runs on in `topology`: the service mesh (its own slices, or the
-  sampler's while they are lost) or the sampler's. A multi-process job keeps it in the sampler's process."""
-  m = topology.service_mesh if placement == "own" else topology.sampler_mesh
+  sampler's while they are lost) or the sampler's."""
+  return topology.service_mesh if placement == "own" else topology.sampler_mesh
+
+
+def local_mesh(topology, placement: str) -> Any:
+  """`mesh`, checked to lie in this process: a multi-process job runs its teacher and judge in the sampler's."""
+  m = mesh(topology, placement)
   owners = {d.process_index for d in m.devices.flat}
   if owners != {jax.process_index()}:
     raise ValueError(f"the {placement} mesh spans processes {sorted(owners)}; a teacher or judge runs in the "

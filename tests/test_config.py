@@ -27,7 +27,7 @@ CONFIGS = [("base", None), ("demo", None), ("demo", "smoke"), ("demo", "tiny"),
            ("search_tool", None), ("search_tool", "control"), ("search_tool", "smoke"),
            ("reasoning_gym", None), ("reasoning_gym", "smoke"), ("demo", "tiny_moe"), ("smollm2_moe", None),
            ("smollm2_moe", "smoke"), ("smollm2_moe", "no_replay"), ("qwen3_moe_30b", None), ("qwen3_moe_30b", "tiny"),
-           ("qwen3_moe_235b", None), ("qwen3_moe_235b", "tiny")]
+           ("qwen3_moe_235b", None), ("qwen3_moe_235b", "tiny"), ("paper_distill", None)]
 
 
 def test_every_config_file_is_listed():
@@ -41,7 +41,7 @@ def test_config_loads_and_validates(name, arg, tmp_path):
   if cd.model.hf_checkpoint:  # a real model directory is not in CI: a tiny one of the same layout stands in
     hf_models.make_dir(tmp_path, "mixtral" if "moe" in name else "llama", tie=True)
     cd.model.hf_checkpoint = str(tmp_path)
-  if cd.teacher.hf_checkpoint:  # and the teacher: the same directory
+  if cd.teacher.hf_checkpoint and not cd.teacher.hf_checkpoint.startswith(str(ROOT)):  # and a teacher not shipped
     cd.teacher.hf_checkpoint = str(tmp_path)
   if cd.judge.hf_checkpoint:  # and the judge
     cd.judge.hf_checkpoint = str(tmp_path)

@@ -350,3 +350,26 @@ def test_a_program_the_tpu_compiler_refuses_is_one_line():
   msg = str(e.value)
   assert "\n" not in msg and msg.startswith("sampler_admit[64x8] does not fit: Ran out of memory on HBM")
   assert "rollout.slots" in msg
+
+
+@pytest.mark.parametrize("placement", ["own", "sampler"])
+def test_a_distilling_plan_compiles_the_teachers_scoring_on_its_mesh(tmp_path, placement):
+  from harness import hf_models
+  hf_models.make_dir(tmp_path / "teacher", "qwen2", tie=False, seed=0)
+  c = tiny_config()
+  c.topology.update(slice_size=2, trainer_slices=1, sampler_slices=2, service_slices=int(placement == "own"),
+                    service_mesh={"data": -1})  # slices of 2: trainer 0, sampler 1-2, (service 3)
+  c.algorithm.name = "distill"
+  c.teacher.update(hf_checkpoint=str(tmp_path / "teacher"), placement=placement)
+  c.plan.programs = "teacher_score"
+  t = planning.make_plan(c)
+  (prog,) = t["programs"]
+  teacher = M.hf.read_config(str(tmp_path / "teacher"), dtype=config_lib.load(c).model.dtype)
+  weights = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+                for x in jax.tree.leaves(M.init.abstract_params(teacher)))
+  assert prog["name"] == "teacher_score" and prog["mesh"] == ("data2" if placement == "own" else "data2xtensor2")
+  assert prog["shape"] == dict(rows=16, length=32, params=teacher.num_params())
+  # Rows over the data axis: every chip holds the teacher's weights (tensor 2 on the sampler's: half of them).
+  assert prog["argument_bytes"] >= weights // (1 if placement == "own" else 2)
+  assert t["estimates"]["teacher_score_s"] > 0 and prog["temp_bytes"] > 0
+  assert t["config"]["service_mesh"] == ({"data": 2, "fsdp": 1, "tensor": 1} if placement == "own" else None)

@@ -180,6 +180,11 @@ PRESETS = {
                    n_kv_heads=8, head_dim=128, mlp_dim=27648, qkv_bias=True, rope_theta=1e6,
                    norm_eps=1e-5, param_dtype="bfloat16", dtype="bfloat16", scan_layers=True,
                    remat=True, max_position=40960),
+    # Qwen2.5-7B architecture (a student beside a QwQ-32B teacher: configs/paper_distill.py).
+    "qwen2.5-7b": dict(arch="qwen2", vocab_size=152064, d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4,
+                       head_dim=128, mlp_dim=18944, qkv_bias=True, rope_theta=1e6, norm_eps=1e-6,
+                       param_dtype="bfloat16", dtype="bfloat16", scan_layers=True, remat=True,
+                       max_position=32768),
     # Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen3MoeForCausalLM): 128 experts, top-8, every layer sparse.
     "qwen3_moe_30b": dict(arch="qwen3_moe", vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4,
                           head_dim=128, mlp_dim=6144, qk_norm=True, rope_theta=1e6, norm_eps=1e-6,

@@ -210,8 +210,9 @@ def recover(run: RunConfig, parts: builders.Components, faults: Faults, err: Bas
   faults.end_recovery()
   event = {"event": "recovered", "kind": type(err).__name__, "lost": sorted(lost), "returned": sorted(back),
            "trainer": list(topo.assignment.trainer), "sampler": list(topo.assignment.sampler),
-           "service": list(topo.assignment.service), "colocated": topo.assignment.colocated, "step": from_step, "resume_step": step,
-           "steps_lost": from_step - step, "recovery_s": time.perf_counter() - t0, "time": time.time()}
+           "service": list(topo.assignment.service), "colocated": topo.assignment.colocated, "step": from_step,
+           "resume_step": step, "steps_lost": from_step - step, "recovery_s": time.perf_counter() - t0,
+           "time": time.time()}
   faults.events.append(event)
   faults.log(event)
   logging.warning("failover: lost %s, returned %s → trainer %s, sampler %s%s; resuming at step %d (%d steps lost) "

@@ -69,7 +69,7 @@ class SamplerRole:
     placement = getattr(self.run, name).placement
     if placement == "own" and not parts.topology.assignment.service:
       logging.warning("the service slices are lost: the %s runs on the sampler's devices until they return", name)
-    return services.mesh(parts.topology, placement)
+    return services.local_mesh(parts.topology, placement)
 
   def teacher(self, parts):
     """A distilling run's teacher on its mesh (teacher.placement): loaded once per mesh."""

@@ -21,6 +21,7 @@ from rlax import models
 from rlax.models import hf
 from rlax.models import sharding as shd
 from rlax.rollout import packing
+from rlax.sampler import params as sampler_params
 from rlax.teachers.config import TeacherConfig
 from rlax.trainer import layouts
 from rlax.trainer.batch import RolloutBatch
@@ -38,14 +39,23 @@ def check_tokenizers(student, teacher_dir: str) -> None:
                      f"{len(b)} tokens; e.g. {diff}); distillation needs the same token ids")
 
 
+def row_passes(rows: int, rows_per_pass: int) -> int:
+  """Passes over a batch of `rows` rows: the fewest that divide it with at most `rows_per_pass` rows each (1
+  without a limit). Callers: Teacher (`_scored`, `lower`), rlax.memory."""
+  if not rows_per_pass or rows <= rows_per_pass:
+    return 1
+  return next(p for p in range(-(-rows // rows_per_pass), rows + 1) if rows % p == 0)
+
+
 class Teacher:
   """Frozen params on `mesh` (None: the default device) and a compiled log-prob program per batch shape."""
 
-  def __init__(self, cfg: models.ModelConfig, params, mesh=None, *, temperature: float = 1.0, chunk: int = 256):
+  def __init__(self, cfg: models.ModelConfig, params, mesh=None, *, temperature: float = 1.0, chunk: int = 256,
+               rows_per_pass: int = 0):
     self.cfg, self.mesh, self.params = cfg, mesh, params
-    self.temperature, self.chunk = temperature, chunk
+    self.temperature, self.chunk, self.rows_per_pass = temperature, chunk, rows_per_pass
     self.traces: collections.Counter = collections.Counter()
-    self._fn = jax.jit(self._logprobs, static_argnames="layout")
+    self._fn = jax.jit(self._logprobs, static_argnames=("layout", "passes"))
 
   @classmethod
   def load(cls, config: TeacherConfig, *, mesh=None, student_tokenizer=None, student_vocab: int = 0,
@@ -58,17 +68,48 @@ class Teacher:
     if cfg.vocab_size < student_vocab:
       raise ValueError(f"teacher.hf_checkpoint={config.hf_checkpoint!r}: its {cfg.vocab_size} embedding rows do not "
                        f"cover the policy's {student_vocab}: a sampled id would have no teacher log-prob")
-    return cls(cfg, params, mesh, temperature=config.temperature, chunk=config.chunk)
+    return cls(cfg, params, mesh, temperature=config.temperature, chunk=config.chunk,
+               rows_per_pass=config.rows_per_pass)
+
+  @classmethod
+  def abstract(cls, config: TeacherConfig, mesh, dtype=None) -> "Teacher":
+    """The teacher `config` names with ShapeDtypeStructs for weights (config.json only): what launch.plan
+    lowers."""
+    cfg = hf.read_config(config.hf_checkpoint, dtype=dtype)
+    return cls(cfg, sampler_params.abstract(cfg, mesh), mesh, temperature=config.temperature, chunk=config.chunk,
+               rows_per_pass=config.rows_per_pass)
+
+  def passes(self, rows: int) -> int:
+    return row_passes(rows, self.rows_per_pass)
+
+  def lower(self, rows: int, prompt_len: int, length: int) -> jax.stages.Lowered:
+    """The scoring program of a padded batch: `rows` rows of `length` tokens, the first `prompt_len` prompt."""
+    shapes = {"tokens": ((rows, length), np.int32), "input_mask": ((rows, length), np.bool_),
+              "loss_mask": ((rows, length - 1), np.float32)}
+    x = {k: jax.ShapeDtypeStruct(s, d, sharding=shd.batch_sharding(self.mesh, rows, len(s)))
+         for k, (s, d) in shapes.items()}
+    with self._ctx():
+      return self._fn.lower(self.params, x, layout=layouts.padded(prompt_len, length), passes=self.passes(rows))
 
   def _ctx(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-  def _logprobs(self, params, x: dict, *, layout: layouts.Layout):
+  def _logprobs(self, params, x: dict, *, layout: layouts.Layout, passes: int):
     self.traces["teacher_logprobs"] += 1  # at trace time only
-    x = dict(x)
-    loss_mask = x.pop("loss_mask")
-    lp = layout.logprobs(params, self.cfg, x, chunk=self.chunk, temperature=self.temperature)
-    return jax.numpy.where(loss_mask > 0, lp, 0.0)
+
+    def one(x):
+      x = dict(x)
+      loss_mask = x.pop("loss_mask")
+      lp = layout.logprobs(params, self.cfg, x, chunk=self.chunk, temperature=self.temperature)
+      return jax.numpy.where(loss_mask > 0, lp, 0.0)
+
+    if passes == 1:
+      return one(x)
+    # Pass j takes rows j, j + passes, ...: each device's block of rows feeds every pass, so each pass keeps the
+    # batch's row sharding and only its activations are live at once.
+    split = lambda a: a.reshape(a.shape[0] // passes, passes, *a.shape[1:]).swapaxes(0, 1)
+    out = jax.lax.map(one, jax.tree.map(split, x))
+    return out.swapaxes(0, 1).reshape(-1, *out.shape[2:])
 
   def logprobs(self, batch: RolloutBatch) -> np.ndarray:
     """The teacher's log-probs [B, T-1] (float32, host) of a host RolloutBatch's tokens, 0 off `loss_mask`.
@@ -88,4 +129,5 @@ class Teacher:
     if self.mesh is not None:  # rows over the mesh's batch axes, as the trainer's batch
       x = jax.device_put(x, {k: shd.batch_sharding(self.mesh, v.shape[0], v.ndim) for k, v in x.items()})
     with self._ctx():
-      return np.asarray(jax.device_get(self._fn(self.params, x, layout=layout)), np.float32)
+      out = self._fn(self.params, x, layout=layout, passes=self.passes(x["tokens"].shape[0]))
+      return np.asarray(jax.device_get(out), np.float32)

@@ -99,6 +99,12 @@ def of(batch) -> Layout:
   if isinstance(batch, PackedBatch):
     return Layout(packed=True, seqs=batch.batch_size, max_len=batch.max_len)
   if isinstance(batch, (RolloutBatch, SFTBatch)):
-    start = max(getattr(batch, "prompt_len", 0) - 1, 0)
-    return Layout(packed=False, start=start, max_len=batch.tokens.shape[1] - 1 - start)
+    return padded(getattr(batch, "prompt_len", 0), batch.tokens.shape[1])
   raise TypeError(f"not a trainer batch: {type(batch).__name__}")
+
+
+def padded(prompt_len: int, length: int) -> Layout:
+  """The padded layout of rows of `length` tokens whose first `prompt_len` are prompt (0: unknown). Callers:
+  `of`, rlax.teachers.Teacher.lower."""
+  start = max(prompt_len - 1, 0)
+  return Layout(packed=False, start=start, max_len=length - 1 - start)

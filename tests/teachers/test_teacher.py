@@ -7,7 +7,7 @@ import pytest
 
 from harness import hf_models
 from rlax import algorithms
-from rlax.teachers import Teacher, TeacherConfig
+from rlax.teachers import Teacher, TeacherConfig, row_passes
 from rlax.trainer import objective
 from rlax.trainer.batch import RolloutBatch, response_loss_mask
 
@@ -56,6 +56,15 @@ def test_teacher_log_probs_match_transformers_on_scored_slots_only(teacher_dir):
   assert np.all(got[batch.loss_mask == 0] == 0) and np.all(got[batch.loss_mask > 0] < 0)
   again = teacher.logprobs(_batch(np.random.default_rng(1), appended=(2, 3)))
   assert again.shape == got.shape and teacher.traces["teacher_logprobs"] == 1  # one program per batch shape
+
+
+def test_rows_scored_in_passes_give_the_same_log_probs(teacher_dir):
+  assert [row_passes(16, 5), row_passes(12, 5), row_passes(7, 3), row_passes(8, 0), row_passes(4, 8)] == [4, 3, 7, 1, 1]
+  batch = _batch(np.random.default_rng(0), B=8, appended=(2,))
+  whole = Teacher.load(TeacherConfig(hf_checkpoint=str(teacher_dir)), dtype="float32")
+  split = Teacher.load(TeacherConfig(hf_checkpoint=str(teacher_dir), rows_per_pass=3), dtype="float32")
+  assert split.passes(8) == 4  # 2 rows a pass: the fewest passes that divide 8 with at most 3 rows each
+  np.testing.assert_allclose(split.logprobs(batch), whole.logprobs(batch), atol=1e-5)
 
 
 def _hf_logprobs(ref, seq):
