@@ -11,7 +11,7 @@ setup(
     version="0.1.0",
     description="Single-controller JAX framework for preemptible RL post-training of LLMs",
     packages=find_packages(include=["rlax", "rlax.*", "launch", "configs"]),
-    package_data={"rlax": ["data/assets/*"]},
+    package_data={"rlax": ["data/assets/*"], "configs": ["assets/*/*"]},
     python_requires=">=3.11",
     # Upper bounds: a fresh install resolves to the versions CI tested (jax 0.11 is the GPU machines').
     install_requires=[
