@@ -13,6 +13,8 @@ serves every run.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import queue
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -58,7 +60,9 @@ class RolloutProducer:
   slices are lost (failover). `rollout` is the run's RolloutConfig; `max_staleness` k. `episodes(stream,
   sync, keys)`: wraps a sampler stream in an episode stream (`rlax.builders.episodes`: the configured
   environment's, rewards from it); None: one-turn episodes graded with `reward_fn` (`envs.single_turn_episodes`).
-  `teacher`: a distilling run's rlax.teachers.Teacher, which scores each batch here, in the rollout path.
+  `teacher`: a distilling run's rlax.teachers.Teacher, which scores each batch here, in the rollout path: on
+  the sampler's devices in this thread; on devices of its own (rlax.services) in a thread of its own (`_Stage`),
+  so the sampler generates the next batch while the teacher scores this one.
   """
 
   def __init__(self, *, sampler, weights, data, render, reward_fn, grade, method, rollout, max_staleness: int,
@@ -73,6 +77,7 @@ class RolloutProducer:
     self.error: Optional[BaseException] = None
     self._thread: Optional[threading.Thread] = None
     self._current = None
+    self._on_error: Callable[[], None] = lambda: None
 
   # -- weights ---------------------------------------------------------------------------------------------
   def _weights_for(self, s: int) -> float:
@@ -226,26 +231,48 @@ class RolloutProducer:
   def run(self, first: int, end: int) -> None:
     """Produces batches first..end-1 in this thread; returns at the end or when the weights close."""
     stream = None
-    for s in range(first, end):
-      idle = self._weights_for(s)
-      if stream is None and self.streams():  # opened once weights are installed
-        stream = self.episodes(self.sampler.stream(self.method, weights=self._source), sync=False, keys=True)
-        self._drawn, self._seq, self._carry = {}, 0, []
-      t0 = time.perf_counter()
-      batch, (lens, truncated, sources), stats = self._stream_batch(stream, s) if stream else self.batch(s)
-      if self.teacher is not None:  # the sampler's thread, so the trainer does not wait on it
-        t1 = time.perf_counter()
-        self.ensure_alive(self.teacher.mesh)
-        batch = batch.replace(teacher_logprobs=self.teacher.logprobs(batch))
-        stats["teacher_s"] = time.perf_counter() - t1
-      rw = np.asarray(batch.rewards)
-      stats.update(rollout_stats.rollout_stats(lens, truncated, rw, sources))
-      stats.update(reward=float(rw.mean()), pass_rate=float((rw > 0.5).mean()), response_len=float(lens.mean()),
-                   response_tokens=float(lens.sum()), sampler_idle_s=idle,
-                   gen_tokens_per_s=float(lens.sum()) / max(stats["gen_s"], 1e-9),
-                   rollout_s=time.perf_counter() - t0)
-      data_state = self._resume_state() if stream else self.data.get_state()
-      self.sink(Rollout(s, int(np.asarray(batch.versions).min()), batch, stats, data_state))
+    apart = self.teacher is not None and self.teacher.mesh != self.sampler.mesh
+    stage = _Stage(self._fail) if apart else None
+    try:
+      for s in range(first, end):
+        idle = self._weights_for(s)
+        if stream is None and self.streams():  # opened once weights are installed
+          stream = self.episodes(self.sampler.stream(self.method, weights=self._source), sync=False, keys=True)
+          self._drawn, self._seq, self._carry = {}, 0, []
+        t0 = time.perf_counter()
+        batch, rows, stats = self._stream_batch(stream, s) if stream else self.batch(s)
+        stats["sampler_idle_s"] = idle
+        data_state = self._resume_state() if stream else self.data.get_state()
+        finish = functools.partial(self._finish, s, batch, rows, stats, data_state, t0)
+        if stage:
+          stage.put(finish)
+        else:
+          finish()
+    finally:
+      if stage:
+        stage.close()
+
+  def _finish(self, s: int, batch, rows, stats: dict, data_state: dict, t0: float) -> None:
+    """The teacher's scores (a distilling run's), the batch's stats, and the batch to the sink."""
+    lens, truncated, sources = rows
+    if self.teacher is not None:  # off the trainer's path: it takes batches from the queue
+      t1 = time.perf_counter()
+      self.ensure_alive(self.teacher.mesh)
+      batch = batch.replace(teacher_logprobs=self.teacher.logprobs(batch))
+      stats["teacher_s"] = time.perf_counter() - t1
+    rw = np.asarray(batch.rewards)
+    stats.update(rollout_stats.rollout_stats(lens, truncated, rw, sources))
+    stats.update(reward=float(rw.mean()), pass_rate=float((rw > 0.5).mean()), response_len=float(lens.mean()),
+                 response_tokens=float(lens.sum()), gen_tokens_per_s=float(lens.sum()) / max(stats["gen_s"], 1e-9),
+                 rollout_s=time.perf_counter() - t0)
+    self.sink(Rollout(s, int(np.asarray(batch.versions).min()), batch, stats, data_state))
+
+  def _fail(self, e: BaseException) -> None:
+    """An error in the producer or its scoring stage: kept in `.error` (the trainer loop surfaces it)."""
+    if not isinstance(e, SliceLostError):
+      logging.exception("rollout producer failed", exc_info=e)
+    self.error = e
+    self._on_error()
 
   def start(self, first: int, end: int, on_error: Callable[[], None]) -> None:
     """Runs `run(first, end)` in a daemon thread; an error is kept in `.error` and `on_error()` is called."""
@@ -255,14 +282,52 @@ class RolloutProducer:
       except Closed:
         pass
       except BaseException as e:  # surfaced by the trainer loop, which owns the run
-        if not isinstance(e, SliceLostError):
-          logging.exception("rollout producer failed")
-        self.error = e
-        on_error()
-    self.error = None
+        self._fail(e)
+    self.error, self._on_error = None, on_error
     self._thread = threading.Thread(target=body, daemon=True, name="rollout-producer")
     self._thread.start()
 
   def join(self, timeout: float = 60.0) -> None:
     if self._thread is not None:
       self._thread.join(timeout=timeout)
+
+
+class _Stage:
+  """Runs the callables `put` hands it in order, in a thread of its own, one waiting at most (the producer runs
+  a batch ahead of it, no more). An error stops it and goes to `fail`; `put` after one raises Closed."""
+
+  def __init__(self, fail: Callable[[BaseException], None]):
+    self._fail, self._jobs = fail, queue.Queue(maxsize=1)
+    self._failed = False
+    self._thread = threading.Thread(target=self._body, daemon=True, name="rollout-scoring")
+    self._thread.start()
+
+  def _body(self) -> None:
+    while (job := self._jobs.get()) is not None:
+      try:
+        job()
+      except Closed:  # the trainer's queue closed: nothing more to hand over
+        self._failed = True
+      except BaseException as e:
+        self._failed = True
+        self._fail(e)
+      if self._failed:
+        return
+
+  def put(self, job: Callable[[], None]) -> None:
+    while not self._failed:
+      try:
+        return self._jobs.put(job, timeout=0.1)
+      except queue.Full:
+        pass
+    raise Closed("the scoring stage stopped")
+
+  def close(self) -> None:
+    """Waits for the jobs handed over to finish."""
+    while self._thread.is_alive():
+      try:
+        self._jobs.put(None, timeout=0.1)
+        break
+      except queue.Full:
+        pass
+    self._thread.join()

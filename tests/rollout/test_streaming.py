@@ -162,3 +162,50 @@ def test_dynamic_sampling_on_the_stream_replaces_tied_groups():
     assert b.stats["dyn_tied_in_batch"] == int(np.sum(r[:, 0] == r[:, 1]))
     assert all(i % 3 for i in batch_prompts(b)) or b.stats["dyn_tied_in_batch"] > 0
   assert sum(b.stats["dyn_dropped_groups"] for b in batches) > 0
+
+
+class SlowTeacher:
+  """A teacher on devices of its own (its mesh is not the sampler's): each scoring takes `delay` seconds, in the
+  thread it is called from; the `fail_at`-th call raises."""
+
+  mesh = "the teacher's own devices"
+
+  def __init__(self, delay, fail_at=-1):
+    self.delay, self.fail_at, self.calls = delay, fail_at, []
+
+  def logprobs(self, batch):
+    import threading
+    import time
+    if len(self.calls) == self.fail_at:
+      raise RuntimeError("the teacher failed")
+    t0 = time.perf_counter()
+    time.sleep(self.delay)
+    self.calls.append((threading.current_thread().name, t0, time.perf_counter()))
+    return np.zeros(np.shape(batch.loss_mask), np.float32)
+
+
+def _timed_producer(teacher):
+  import time
+  p, batches, _ = producer(records([2] * 12))
+  p.teacher = teacher
+  asked, wait_for = [], p.weights.wait_for
+  p.weights.wait_for = lambda v, exact=False: (asked.append(time.perf_counter()), wait_for(v, exact))[1]
+  return p, batches, asked
+
+
+def test_a_teacher_on_its_own_devices_scores_while_the_next_batch_generates():
+  p, batches, asked = _timed_producer(SlowTeacher(0.5))
+  p.run(0, 3)
+  assert [b.index for b in batches] == [0, 1, 2] and all(b.stats["teacher_s"] >= 0.5 for b in batches)
+  calls = p.teacher.calls
+  assert [name for name, _, _ in calls] == ["rollout-scoring"] * 3
+  assert asked[1] < calls[0][2] and asked[2] < calls[1][2]  # batch s + 1 began before batch s was scored
+
+
+def test_the_scoring_stage_stops_the_producer_on_an_error():
+  closed = []
+  p, batches, _ = _timed_producer(SlowTeacher(0.0, fail_at=1))
+  p.start(0, 3, on_error=lambda: closed.append(True))
+  p.join()
+  assert [b.index for b in batches] == [0] and closed == [True]
+  assert isinstance(p.error, RuntimeError) and str(p.error) == "the teacher failed"
