@@ -265,8 +265,8 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
 
 
 def _teacher_bytes(run: RunConfig, mesh: AbstractMesh, isz: int) -> tuple[int, float]:
-  """A distilling run's teacher beside the sampler (rlax.teachers): (its weights, its scoring program's scratch:
-  one layer's activations and the chunked log-softmax over the batch's rows on this device), 0s without one."""
+  """A distilling run's teacher on `mesh` (rlax.teachers): (its weights, its scoring program's scratch:
+  one layer's activations and the chunked log-softmax over the rows one pass scores on this device), 0s without one."""
   if not run.algorithm.distills:
     return 0, 0.0
   tcfg = hf.read_config(run.teacher.hf_checkpoint, dtype=run.model.dtype)
@@ -302,7 +302,7 @@ def _fused_bytes(cfg: models.ModelConfig, mesh: AbstractMesh, isz: int, platform
 
 
 def _judge_bytes(run: RunConfig, mesh: AbstractMesh, isz: int, platform: str) -> tuple[int, float]:
-  """A judging run's judge beside the sampler (rlax.judges): (its weights, their fused copy and its KV cache,
+  """A judging run's judge on `mesh` (rlax.judges): (its weights, their fused copy and its KV cache,
   its decode's scratch: the sampling buffers), 0s without one."""
   if run.reward.name != "judge":
     return 0, 0.0

@@ -1,13 +1,14 @@
 """A generative judge: a frozen model that reads each reply and writes a verdict, which becomes the reward.
 
-    judge = Judge.load(run.judge, mesh=sampler_mesh, slots=64, log_path=".../logs/judge.jsonl")
+    judge = Judge.load(run.judge, mesh=mesh, slots=64, log_path=".../logs/judge.jsonl")
     graded = judge.grade(reward_fn, texts, records)      # [(reward in [0, 1], info)], as VerifierPool.grade
 
-It generates through rlax's own engine (`rlax.sampler.Sampler`, greedy, on the sampler's mesh), the replies of
-one `grade` call as one batch (a step's rollouts, or an evaluation's). The reply is environment content: it
-enters the judge's chat prompt as plain text (`Renderer.prompt`), never as control tokens, cut to fit
-`max_prompt_len`. Replies not judged by the batch's deadline, and verdicts the parser cannot read, get reward 0
-and are counted (`info["metrics"]`, averaged into the step's `reward/*` metrics), never an exception.
+It generates through rlax's own engine (`rlax.sampler.Sampler`, greedy, on the sampler's mesh or its own:
+rlax.services), the replies of one `grade` call as one batch (a step's rollouts, or an evaluation's). The reply
+is environment content: it enters the judge's chat prompt as plain text (`Renderer.prompt`), never as control
+tokens, cut to fit `max_prompt_len`. Replies not judged by the batch's deadline, and verdicts the parser cannot
+read, get reward 0 and are counted (`info["metrics"]`, averaged into the step's `reward/*` metrics), never an
+exception.
 """
 
 from __future__ import annotations
@@ -150,8 +151,8 @@ class Judge:
 
 
 class JudgeReward:
-  """`reward.name="judge"`: the run's reward entry, graded by the judge the sampler's role loads beside it
-  (`judge`, replaced when the sampler's mesh is). `VerifierPool.grade` hands it whole batches (`grade_batch`)."""
+  """`reward.name="judge"`: the run's reward entry, graded by the judge the sampler's role loads on its mesh
+  (`judge`, replaced when that mesh is: rlax.services). `VerifierPool.grade` hands it whole batches (`grade_batch`)."""
 
   def __init__(self, judge: Optional[Judge] = None):
     self.judge = judge

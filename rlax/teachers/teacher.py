@@ -1,6 +1,6 @@
 """A teacher: a frozen model that scores rollouts with its log-probs of the sampled tokens.
 
-    teacher = Teacher.load(run.teacher, mesh=sampler_mesh, student_tokenizer=tok)
+    teacher = Teacher.load(run.teacher, mesh=mesh, student_tokenizer=tok)      # mesh: rlax.services.mesh
     batch = batch.replace(teacher_logprobs=teacher.logprobs(batch))      # host RolloutBatch -> [B, T-1]
 
 The same loader, sharding rules and forward as the policy (`rlax.models.hf.load_checkpoint`,
