@@ -64,7 +64,6 @@ _SAMPLING_COPIES = 4
 
 TRAINER_ITEMS = ("params", "opt_state", "grads", "ref_params", "critic", "batch", "activations", "logits")
 SAMPLER_ITEMS = ("weights", "spare_weights", "pristine_base", "fused", "kv_cache", "teacher", "judge", "scratch")
-SERVICE_ITEMS = ("teacher", "judge", "scratch")
 HOST_ITEMS = ("runtime", "checkpoint")
 # The process itself: Python, JAX/XLA and the compiled programs, tokenizer and records (after the warm-up, free
 # pages returned; 1.35 GB measured on the SmolLM2 run).
@@ -84,7 +83,7 @@ class MemoryEstimate:
   sampler_mesh: Mapping[str, int]
   host: Mapping[str, int] = dataclasses.field(default_factory=dict)  # `HOST_ITEMS`, in host RAM
   host_is_device: bool = False  # CPU devices: device memory is the host's RAM, so the host items add to it
-  service: Mapping[str, int] = dataclasses.field(default_factory=dict)  # `SERVICE_ITEMS` on the service slices
+  service: Mapping[str, int] = dataclasses.field(default_factory=dict)  # teacher, judge, scratch on service slices
   service_devices: int = 0
   service_mesh: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
@@ -271,7 +270,7 @@ def _teacher_bytes(run: RunConfig, mesh: AbstractMesh, isz: int) -> tuple[int, f
     return 0, 0.0
   tcfg = hf.read_config(run.teacher.hf_checkpoint, dtype=run.model.dtype)
   r = run.rollout
-  batch = r.rows // teachers.row_passes(r.rows, run.teacher.rows_per_pass)  # rows scored at once
+  batch = r.rows // teachers.row_passes(r.rows, run.teacher.rows_per_pass, shd.row_shards(mesh, r.rows))
   S, rows = r.max_prompt_len + r.max_new_tokens, batch // shd.row_shards(mesh, batch)
   tensor = dict(mesh.shape)["tensor"]
   logits = _LOGIT_COPIES * rows * min(run.teacher.chunk, S) * _split(tcfg.vocab_size, tensor) * 4
@@ -280,17 +279,16 @@ def _teacher_bytes(run: RunConfig, mesh: AbstractMesh, isz: int) -> tuple[int, f
 
 def _service_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dict,
                    own: Sequence[str]) -> dict[str, int]:
-  """The service slices: the frozen models in `own` (placement "own", rlax.services), their weights and the
-  larger of their programs' scratch (the producer's thread runs one at a time)."""
+  """The service slices: the frozen models in `own` (placement "own", rlax.services), their weights and their
+  programs' scratch, summed (the teacher scores in the producer's scoring thread while the judge grades)."""
   isz = _act_itemsize(run.model, platform)
   teacher, score = _teacher_bytes(run, mesh, isz) if "teacher" in own else (0, 0.0)
   judge, judging = _judge_bytes(run, mesh, isz, platform) if "judge" in own else (0, 0.0)
   notes.update({"service.teacher": "the teacher's weights" if teacher else "none (no teacher here)",
                 "service.judge": (f"the judge's weights and its KV cache ({builders.judge_slots(run)} slots)" if judge
                                   else "none (no judge here)"),
-                "service.scratch": "largest program scratch: " + ("the teacher's scoring" if score >= judging
-                                                                  else "the judge's decode")})
-  return dict(teacher=teacher, judge=judge, scratch=int(max(score, judging)))
+                "service.scratch": "the teacher's scoring and the judge's decode, at once"})
+  return dict(teacher=teacher, judge=judge, scratch=int(score + judging))
 
 
 def _fused_bytes(cfg: models.ModelConfig, mesh: AbstractMesh, isz: int, platform: str, layout) -> int:

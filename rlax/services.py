@@ -67,6 +67,7 @@ def local_mesh(topology, placement: str) -> Any:
   m = mesh(topology, placement)
   owners = {d.process_index for d in m.devices.flat}
   if owners != {jax.process_index()}:
-    raise ValueError(f"the {placement} mesh spans processes {sorted(owners)}; a teacher or judge runs in the "
-                     "sampler's process (set topology.slice_size to the devices per process)")
+    knob = "placement='sampler'" if placement == "own" else "topology.slice_size to the devices per process"
+    raise ValueError(f"the {placement} mesh lies in processes {sorted(owners)}: a teacher or judge runs in the "
+                     f"sampler's process ({jax.process_index()}); give it the service slices too, or set {knob}")
   return m

@@ -118,10 +118,10 @@ def discover_slices(devices: Sequence[Any] | None = None, slice_size: int | None
 def assign_roles(slice_indices: Sequence[int], config: TopologyConfig) -> Assignment:
   """Initial role assignment: the first `trainer_slices` slices train, the next ones sample, the last
   `service_slices` serve the run's frozen models."""
-  nv = config.service_slices
-  if nv < 0:
-    raise ValueError(f"topology.service_slices must be >= 0, got {nv}")
-  every = tuple(sorted(slice_indices))
+  nv, every = config.service_slices, tuple(sorted(slice_indices))
+  if not 0 <= nv < len(every):
+    raise ValueError(f"topology.service_slices must be >= 0 and leave a slice to train on, got {nv} of "
+                     f"{len(every)} slices")
   idx, service = every[:len(every) - nv], every[len(every) - nv:]
   nt = config.trainer_slices
   if nt <= 0:
@@ -140,11 +140,11 @@ def assign_roles(slice_indices: Sequence[int], config: TopologyConfig) -> Assign
 def reassign_roles(assignment: Assignment, lost: Iterable[int] = (), returned: Iterable[int] = ()) -> Assignment:
   """New roles after slices are `lost` and/or `returned`.
 
-  Rules, in order: lost slices leave both roles; a trainer that lost slices refills up to
-  `target_trainer` by taking surviving sampler slices (lowest index first), so the trainer stays whole
-  and the sampler fleet shrinks (then the service slices); returned slices refill the service slices up to
-  `target_service`, the rest rejoin as samplers (or become the trainer if none is left); with no sampler slice
-  left the sampler colocates on the trainer's slices, with no service slice the services share the sampler's.
+  Rules, in order: lost slices leave every role; a trainer that lost slices refills up to `target_trainer`
+  by taking surviving sampler slices (lowest index first), then returned ones, then service slices, so the
+  trainer stays whole and the sampler fleet shrinks; other returned slices refill the service slices up to
+  `target_service`, the rest rejoin as samplers; with no sampler slice left the sampler colocates on the
+  trainer's slices, with no service slice the services share the sampler's.
   A run configured as colocated stays colocated, returned slices refilling it up to its size.
   """
   lost, back = set(lost), set(returned)
@@ -159,20 +159,20 @@ def reassign_roles(assignment: Assignment, lost: Iterable[int] = (), returned: I
     spare = sorted(back - set(trainer))
     take = max(0, assignment.target_trainer - len(trainer))
     trainer, spare = trainer + spare[:take], spare[take:]
+    if not trainer and service:  # the last slices left serve: training goes first
+      trainer.append(service.pop(0))
     if not trainer:
       raise NoHealthySlicesError(f"all slices are lost ({sorted(lost_now)}); nothing left to train on")
     t = tuple(sorted(trainer))
     return Assignment(t, t, True, assignment.target_trainer, lost_t, True, _refill(service, spare, tv), tv)
   degraded = assignment.colocated  # sampler was time-sharing the trainer's slices
   sampler = [] if degraded else [s for s in assignment.sampler if s not in lost_now]
-  if len(trainer) < len(assignment.trainer):
-    while len(trainer) < assignment.target_trainer and (sampler or service):
-      trainer.append((sampler or service).pop(0))
   spare = sorted(back - set(trainer))
+  if len(trainer) < len(assignment.trainer):  # training goes first
+    while len(trainer) < assignment.target_trainer and (sampler or spare or service):
+      trainer.append((sampler or spare or service).pop(0))
   service_t = _refill(service, spare, tv)
   sampler = sorted(set(sampler) | (set(spare) - set(service_t)))
-  if not trainer and sampler:
-    trainer.append(sampler.pop(0))
   if not trainer:
     raise NoHealthySlicesError(f"all slices are lost ({sorted(lost_now)}); nothing left to train on")
   t = tuple(sorted(trainer))

@@ -183,3 +183,14 @@ def test_the_trainer_takes_a_sampler_slice_before_a_service_slice():
   last = T.reassign(_with_service(), lost_slices=[0, 1, 2])  # no sampler slice left: the service's goes
   assert last.assignment.trainer == (3,) and last.colocated and last.assignment.service == ()
   assert _ids(last.service_mesh) == _ids(last.trainer_mesh) == [6, 7]
+
+
+def test_a_trainer_left_with_nothing_takes_a_returned_or_service_slice_first():
+  topo = T.reassign(T.reassign(_with_service(), lost_slices=[1]), lost_slices=[2])
+  again = T.reassign(topo, lost_slices=[0], returned_slices=[1])  # the returned slice trains; the service stays
+  assert (again.assignment.trainer, again.assignment.service, again.colocated) == ((1,), (3,), True)
+  colo = _with_service(colocated=True, trainer_slices=1)  # slices 0 (both roles) and 3 (service)
+  last = T.reassign(colo, lost_slices=[0])
+  assert last.assignment.trainer == (3,) and last.assignment.service == ()
+  with pytest.raises(ValueError, match="service_slices must be >= 0 and leave a slice to train on, got 4 of 4"):
+    _with_service(service_slices=4)

@@ -248,9 +248,12 @@ class RolloutProducer:
           stage.put(finish)
         else:
           finish()
-    finally:
+    except BaseException:
       if stage:
-        stage.close()
+        stage.close(drain=False)  # the batches waiting are not handed over: report now
+      raise
+    if stage:
+      stage.close()
 
   def _finish(self, s: int, batch, rows, stats: dict, data_state: dict, t0: float) -> None:
     """The teacher's scores (a distilling run's), the batch's stats, and the batch to the sink."""
@@ -269,6 +272,8 @@ class RolloutProducer:
 
   def _fail(self, e: BaseException) -> None:
     """An error in the producer or its scoring stage: kept in `.error` (the trainer loop surfaces it)."""
+    if e is self.error:  # the stage's, raised again by the producer
+      return
     if not isinstance(e, SliceLostError):
       logging.exception("rollout producer failed", exc_info=e)
     self.error = e
@@ -294,40 +299,51 @@ class RolloutProducer:
 
 class _Stage:
   """Runs the callables `put` hands it in order, in a thread of its own, one waiting at most (the producer runs
-  a batch ahead of it, no more). An error stops it and goes to `fail`; `put` after one raises Closed."""
+  a batch ahead of it, no more). Its error goes to `fail` at once (so a trainer waiting for the batch stops) and
+  is raised again by the next `put` and by `close`."""
 
   def __init__(self, fail: Callable[[BaseException], None]):
     self._fail, self._jobs = fail, queue.Queue(maxsize=1)
-    self._failed = False
+    self._error: Optional[BaseException] = None
+    self._stopped, self._drain = False, True
     self._thread = threading.Thread(target=self._body, daemon=True, name="rollout-scoring")
     self._thread.start()
 
   def _body(self) -> None:
-    while (job := self._jobs.get()) is not None:
+    while (job := self._jobs.get()) is not None and self._drain:
       try:
         job()
       except Closed:  # the trainer's queue closed: nothing more to hand over
-        self._failed = True
+        break
       except BaseException as e:
-        self._failed = True
+        self._error = e
         self._fail(e)
-      if self._failed:
-        return
+        break
+    self._stopped = True
+
+  def _raise(self) -> None:
+    if self._error is not None:
+      raise self._error
+    raise Closed("the scoring stage stopped")
 
   def put(self, job: Callable[[], None]) -> None:
-    while not self._failed:
+    while not self._stopped:
       try:
         return self._jobs.put(job, timeout=0.1)
       except queue.Full:
         pass
-    raise Closed("the scoring stage stopped")
+    self._raise()
 
-  def close(self) -> None:
-    """Waits for the jobs handed over to finish."""
-    while self._thread.is_alive():
+  def close(self, drain: bool = True) -> None:
+    """Waits for the jobs handed over to finish (`drain`), or for the one running (not `drain`); raises the
+    stage's error."""
+    self._drain = drain
+    while not self._stopped:
       try:
         self._jobs.put(None, timeout=0.1)
         break
       except queue.Full:
         pass
     self._thread.join()
+    if self._error is not None:
+      raise self._error

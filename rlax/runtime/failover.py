@@ -110,10 +110,10 @@ class Faults:
               "sampler": list(topo.assignment.sampler), "service": list(topo.assignment.service),
               "colocated": topo.assignment.colocated, "pid": os.getpid(),
               "time": time.time()})
-    logging.warning("restart after slice faults: %s → trainer %s, sampler %s%s",
+    logging.warning("restart after slice faults: %s → trainer %s, sampler %s, service %s%s",
                     "; ".join(f"slice {k} missing: {v}" for k, v in why.items()) or "no slice missing",
-                    list(topo.assignment.trainer),
-                    list(topo.assignment.sampler), " (colocated)" if topo.assignment.colocated else "")
+                    list(topo.assignment.trainer), list(topo.assignment.sampler), list(topo.assignment.service),
+                    " (colocated)" if topo.assignment.colocated else "")
     return topo
 
   def phase(self, name: str) -> None:

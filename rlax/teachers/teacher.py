@@ -5,7 +5,8 @@
 
 The same loader, sharding rules and forward as the policy (`rlax.models.hf.load_checkpoint`,
 `rlax.trainer.layouts`); one compiled program per batch shape. It scores in the rollout path (the producer's
-thread), so the trainer never waits on it while the queue holds a batch. Only scored slots (`loss_mask`) keep a
+thread; a thread of its own when on devices of its own), so the trainer never waits on it while the queue
+holds a batch. Only scored slots (`loss_mask`) keep a
 value: prompt and appended (environment) tokens get 0, whatever the row holds there.
 """
 
@@ -39,12 +40,14 @@ def check_tokenizers(student, teacher_dir: str) -> None:
                      f"{len(b)} tokens; e.g. {diff}); distillation needs the same token ids")
 
 
-def row_passes(rows: int, rows_per_pass: int) -> int:
-  """Passes over a batch of `rows` rows: the fewest that divide it with at most `rows_per_pass` rows each (1
-  without a limit). Callers: Teacher (`_scored`, `lower`), rlax.memory."""
+def row_passes(rows: int, rows_per_pass: int, shards: int = 1) -> int:
+  """Passes over a batch of `rows` rows: the fewest that divide it with at most `rows_per_pass` rows each, each
+  pass's rows still a multiple of the mesh's `shards` row shards where that can be (1 without a limit).
+  Callers: Teacher (`_scored`, `lower`), rlax.memory."""
   if not rows_per_pass or rows <= rows_per_pass:
     return 1
-  return next(p for p in range(-(-rows // rows_per_pass), rows + 1) if rows % p == 0)
+  fit = [p for p in range(-(-rows // rows_per_pass), rows + 1) if rows % p == 0]
+  return next((p for p in fit if rows // p % shards == 0), fit[0])
 
 
 class Teacher:
@@ -80,7 +83,7 @@ class Teacher:
                rows_per_pass=config.rows_per_pass)
 
   def passes(self, rows: int) -> int:
-    return row_passes(rows, self.rows_per_pass)
+    return row_passes(rows, self.rows_per_pass, shd.row_shards(self.mesh, rows))
 
   def lower(self, rows: int, prompt_len: int, length: int) -> jax.stages.Lowered:
     """The scoring program of a padded batch: `rows` rows of `length` tokens, the first `prompt_len` prompt."""

@@ -209,3 +209,7 @@ def test_the_scoring_stage_stops_the_producer_on_an_error():
   p.join()
   assert [b.index for b in batches] == [0] and closed == [True]
   assert isinstance(p.error, RuntimeError) and str(p.error) == "the teacher failed"
+  direct, batches, _ = _timed_producer(SlowTeacher(0.0, fail_at=1))  # a sampler process calls run() itself
+  with pytest.raises(RuntimeError, match="the teacher failed"):
+    direct.run(0, 3)
+  assert [b.index for b in batches] == [0]

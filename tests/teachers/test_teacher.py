@@ -60,6 +60,7 @@ def test_teacher_log_probs_match_transformers_on_scored_slots_only(teacher_dir):
 
 def test_rows_scored_in_passes_give_the_same_log_probs(teacher_dir):
   assert [row_passes(16, 5), row_passes(12, 5), row_passes(7, 3), row_passes(8, 0), row_passes(4, 8)] == [4, 3, 7, 1, 1]
+  assert row_passes(72, 20, shards=8) == 9 and row_passes(72, 20) == 4  # 8 rows a pass: one a shard
   batch = _batch(np.random.default_rng(0), B=8, appended=(2,))
   whole = Teacher.load(TeacherConfig(hf_checkpoint=str(teacher_dir)), dtype="float32")
   split = Teacher.load(TeacherConfig(hf_checkpoint=str(teacher_dir), rows_per_pass=3), dtype="float32")
