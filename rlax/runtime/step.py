@@ -76,6 +76,10 @@ def metrics_row(m: dict, item, *, sync: dict, skipped: bool, compiles: tuple[int
              staleness=float(staleness), dropped=float(dropped))
   row["tokens_per_s"] = row.get("response_tokens", 0.0) / max(step_s, 1e-9)
   # This process's memory now and at its peak so far (the whole run on one host: both roles, all devices).
-  row.update(host_rss_gb=psutil.Process().memory_info().rss / 1e9,
-             host_peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)
+  row.update(host_rss_gb=psutil.Process().memory_info().rss / 1e9, host_peak_rss_gb=peak_rss_gb())
   return row
+
+
+def peak_rss_gb() -> float:
+  """This process's peak resident memory so far, in GB (ru_maxrss counts KiB on Linux)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9

@@ -1,4 +1,5 @@
-"""The progress bar times the steps, not the start-up before the first one: its first rate is the first step's."""
+"""The progress bar times the steps, not the start-up before the first one: its first rate is the first step's; the
+peak-memory metric counts GB."""
 
 import re
 import time
@@ -19,3 +20,10 @@ def test_the_first_rate_is_the_first_steps_own(tmp_path, capsys, done):
   assert shown, err
   minutes, seconds, per_step = shown[-1]
   assert int(minutes) * 60 + int(seconds) == 2 and 1.9 < float(per_step) < 2.5
+
+
+def test_the_peak_rss_metric_is_in_gb():
+  from rlax.runtime import step
+  with open("/proc/self/status") as f:  # VmHWM: the peak resident set, in kB (KiB)
+    hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+  assert abs(step.peak_rss_gb() - hwm * 1024 / 1e9) < 0.01 * hwm * 1024 / 1e9  # ru_maxrss counts KiB: / 1e6 would be 2.4% low
