@@ -27,8 +27,8 @@ What it lowers (rlax.planning_programs), against what the run compiles:
     weights) and multi-turn extensions (compiled lazily).
   weights: the push's three parts (not colocated) and with LoRA the sampler's merge.
   teacher (a distilling run): `teacher_score`, its log-probs of one step's padded rows (in
-    teacher.rows_per_pass passes), on its mesh (rlax.services: its own slices or the sampler's). Not lowered: the packed rows of a batch whose episodes
-    were split into rows (forks), the judge's programs.
+    teacher.rows_per_pass passes), on its mesh (rlax.services: its own slices or the sampler's). Not lowered:
+    the packed rows of a batch whose episodes were split into rows (forks), the judge's programs.
 """
 
 from __future__ import annotations
