@@ -132,9 +132,9 @@ class Sampler:
     self._cancel = self._jit("cancel", slots_lib.cancel, donate=(0,))
     self._grow = self._jit("grow", slots_lib.grow, donate=(0,))
     self._empty_fns: dict[int, Callable] = {}
-    # Slot buckets for the tail: slots, slots/4, slots/16 (a decode program each; every one compiled before
-    # the first batch by warm_up), down to one whole shard row.
-    self.slot_buckets = ([b for b in (slots >> 2 * i for i in range(3)) if b and b % shards == 0][::-1] if self.shrink
+    # Slot buckets for the tail: slots halved down to slots/16 (a decode program each; every one compiled before
+    # the first batch by warm_up), none under one whole shard row.
+    self.slot_buckets = ([b for b in (slots >> i for i in range(5)) if b and b % shards == 0][::-1] if self.shrink
                          else [slots])
     self.weights = weights if weights is not None else WeightsService()
     if params is not None:
