@@ -41,7 +41,7 @@ def test_config_loads_and_validates(name, arg, tmp_path):
   if cd.model.hf_checkpoint:  # a real model directory is not in CI: a tiny one of the same layout stands in
     hf_models.make_dir(tmp_path, "mixtral" if "moe" in name else "llama", tie=True)
     cd.model.hf_checkpoint = str(tmp_path)
-  if cd.teacher.hf_checkpoint and not cd.teacher.hf_checkpoint.startswith(str(ROOT)):  # and a teacher not shipped
+  if cd.teacher.hf_checkpoint and not cd.teacher.hf_checkpoint.startswith(str(ROOT / "configs")):  # not shipped
     cd.teacher.hf_checkpoint = str(tmp_path)
   if cd.judge.hf_checkpoint:  # and the judge
     cd.judge.hf_checkpoint = str(tmp_path)

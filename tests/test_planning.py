@@ -236,7 +236,7 @@ def test_tpu_topology_plan_or_clear_error():
     return
   t = planning.make_plan(c)
   progs = {p["name"]: p for p in t["programs"]}
-  assert list(progs) == NAMES
+  assert [n for n in progs if not n.startswith("trainer_step[")] == NAMES  # [..]: the run's other train programs
   assert t["config"]["devices"] == 8
   assert t["estimates"]["push"]["link"] == "dcn"  # trainer and sampler on different TPU slices
   # TPU layouts pad small arrays to (8, 128) tiles, so compiled bytes are at least the logical ones.
