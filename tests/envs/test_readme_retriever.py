@@ -7,6 +7,7 @@ import os
 import re
 import sys
 import types
+import zlib
 
 import numpy as np
 
@@ -22,10 +23,10 @@ class _BagOfWords:
     self.name = name
 
   def encode(self, texts, normalize_embeddings=False):
-    out = np.zeros((len(texts), 64), np.float32)
+    out = np.zeros((len(texts), 4096), np.float32)
     for i, t in enumerate(texts):
-      for w in t.lower().replace(":", " ").split()[1:]:  # drop the "query:"/"passage:" prefix
-        out[i, hash(w) % 64] += 1
+      for w in t.lower().replace(":", " ").replace(".", " ").split()[1:]:  # drop the "query:"/"passage:" prefix
+        out[i, zlib.crc32(w.encode()) % 4096] += 1  # not hash(): it changes per process, and 64 buckets collided
     return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-9) if normalize_embeddings else out
 
 
