@@ -272,12 +272,15 @@ def sampler(run: RunConfig, mesh, tok: Tokenizer) -> Sampler:
 
 
 def teacher(run: RunConfig, mesh, tok: Tokenizer):
-  """A distilling run's teacher (rlax.teachers) on `mesh` in the policy's compute dtype, its tokenizer checked
-  against the policy's; None for any other run."""
+  """A distilling run's teachers (rlax.teachers.Teachers: one, or one per route) on `mesh` in the policy's compute
+  dtype, each tokenizer checked against the policy's; None for any other run."""
   if not run.algorithm.distills:
     return None
-  return teachers.Teacher.load(run.teacher, mesh=mesh, student_tokenizer=tok, student_vocab=run.model.vocab_size,
-                               dtype=run.model.dtype)
+  load = lambda path: teachers.Teacher.load(dataclasses.replace(run.teacher, hf_checkpoint=path), mesh=mesh,
+                                            student_tokenizer=tok, student_vocab=run.model.vocab_size,
+                                            dtype=run.model.dtype, top_k=run.algorithm.teacher_top_k)
+  return teachers.Teachers({name: load(path) for name, path in run.teacher.dirs().items()},
+                           field=run.teacher.route_field, pass_rows=run.teacher.rows_per_pass)
 
 
 def judge_slots(run: RunConfig) -> int:

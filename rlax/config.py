@@ -101,19 +101,22 @@ def _plain(node: Any) -> Any:
 
 
 def _coerce(value: Any, typ: Any, field: str) -> Any:
-  """`value` as `typ` (int, float, bool, str); ints are accepted for floats. ValueError names `field`."""
+  """`value` as `typ` (int, float, bool, str, dict[str, str]); ints are accepted for floats; ValueError names it."""
   if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
     return float(value)
   if typ in (int, bool, str) and isinstance(value, typ) and not (typ is int and isinstance(value, bool)):
     return value
-  raise ValueError(f"{field}={value!r}: expected {typ.__name__}, got {type(value).__name__}")
+  if typing.get_origin(typ) is dict and isinstance(m := _plain(value), dict):
+    if all(isinstance(x, str) for x in (*m, *m.values())):
+      return dict(m)
+  raise ValueError(f"{field}={_plain(value)!r}: expected {typ.__name__ if isinstance(typ, type) else typ}, "
+                   f"got {type(value).__name__}")
 
 
 def _fields(node: Any, names: list[str], path: str) -> dict[str, Any]:
   """The ConfigDict node `path` as a dict; a key outside `names` is an error naming it."""
   values = dict(_plain(node) or {})
-  unknown = sorted(set(values) - set(names))
-  if unknown:
+  if unknown := sorted(set(values) - set(names)):
     raise ValueError(f"{path}.{unknown[0]} is not a config field; {path} has {', '.join(names)}")
   return values
 
@@ -176,8 +179,7 @@ def _algorithm(node: Any, default: dict) -> algorithms.AlgorithmConfig:
 def load(cd: Any) -> RunConfig:
   """ConfigDict (or nested dict) → validated RunConfig; raises ValueError naming the offending field."""
   top = dict(_plain(cd))
-  unknown = sorted(set(top) - set(_TOP))
-  if unknown:
+  if unknown := sorted(set(top) - set(_TOP)):
     raise ValueError(f"{unknown[0]} is not a config field; top-level fields are {', '.join(_TOP)}")
   workdir = top.get("workdir", "")
   if not isinstance(workdir, str) or not workdir.strip():
@@ -185,8 +187,7 @@ def load(cd: Any) -> RunConfig:
   default = defaults()
   preset, model_cfg, hf_dir, lora = _model(top.get("model"), default["model"])
   sections = {k: _section(cls, top.get(k), k) for k, cls in _SECTIONS.items() if k != "plan"}
-  for k in ("data", "teacher", "judge"):
-    sections[k] = sections[k].absolute()
+  sections.update({k: sections[k].absolute() for k in ("data", "teacher", "judge")})
   run = RunConfig(
       seed=_coerce(top.get("seed", default["seed"]), int, "seed"),
       workdir=os.path.abspath(os.path.expanduser(workdir)),  # orbax refuses relative paths

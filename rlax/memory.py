@@ -253,8 +253,8 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
       "sampler.fused": ("the weights as the sampler's programs read them, made once per version (Sampler.fused)"
                         if fused else "none (the programs read the stored weights)"),
       "sampler.scratch": f"largest program scratch: {which} (sampling buffers, activations)",
-      "sampler.teacher": (f"the teacher's weights ({run.teacher.hf_checkpoint}), beside the sampler" if teacher
-                          else "none (no teacher)"),
+      "sampler.teacher": (f"the teachers' weights ({', '.join(run.teacher.dirs().values())}), beside the sampler"
+                          if teacher else "none (no teacher)"),
       "sampler.judge": (f"the judge's weights ({run.judge.hf_checkpoint}) and its KV cache "
                         f"({builders.judge_slots(run)} slots), beside the sampler" if judge else "none (no judge)"),
   })
@@ -264,17 +264,22 @@ def _sampler_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dic
 
 
 def _teacher_bytes(run: RunConfig, mesh: AbstractMesh, isz: int) -> tuple[int, float]:
-  """A distilling run's teacher on `mesh` (rlax.teachers): (its weights, its scoring program's scratch:
-  one layer's activations and the chunked log-softmax over the rows one pass scores on this device), 0s without one."""
+  """A distilling run's teachers on `mesh` (rlax.teachers): (their weights, summed; the largest scoring program's
+  scratch: one layer's activations and the chunked log-softmax over the rows one pass scores on this device; the
+  teachers score one after another), 0s without one."""
   if not run.algorithm.distills:
     return 0, 0.0
-  tcfg = hf.read_config(run.teacher.hf_checkpoint, dtype=run.model.dtype)
   r = run.rollout
   batch = r.rows // teachers.row_passes(r.rows, run.teacher.rows_per_pass, shd.row_shards(mesh, r.rows))
   S, rows = r.max_prompt_len + r.max_new_tokens, batch // shd.row_shards(mesh, batch)
   tensor = dict(mesh.shape)["tensor"]
-  logits = _LOGIT_COPIES * rows * min(run.teacher.chunk, S) * _split(tcfg.vocab_size, tensor) * 4
-  return sizing.weight_bytes(tcfg, mesh), logits + _layer_acts(tcfg, rows * S, S, tensor, isz, _INFER_PER_ELEM)
+  weights, scratch = 0, 0.0
+  for path in run.teacher.dirs().values():
+    tcfg = hf.read_config(path, dtype=run.model.dtype)
+    logits = _LOGIT_COPIES * rows * min(run.teacher.chunk, S) * _split(tcfg.vocab_size, tensor) * 4
+    weights += sizing.weight_bytes(tcfg, mesh)
+    scratch = max(scratch, logits + _layer_acts(tcfg, rows * S, S, tensor, isz, _INFER_PER_ELEM))
+  return weights, scratch
 
 
 def _service_items(run: RunConfig, mesh: AbstractMesh, platform: str, notes: dict,

@@ -27,7 +27,8 @@ What it lowers (rlax.planning_programs), against what the run compiles:
     weights) and multi-turn extensions (compiled lazily).
   weights: the push's three parts (not colocated) and with LoRA the sampler's merge.
   teacher (a distilling run): `teacher_score`, its log-probs of one step's padded rows (in
-    teacher.rows_per_pass passes), on its mesh (rlax.services: its own slices or the sampler's). Not lowered:
+    teacher.rows_per_pass passes; with routed teachers, `teacher_score[<name>]` too, each at the rows of one
+    call), on its mesh (rlax.services: its own slices or the sampler's). Not lowered:
     the packed rows of a batch whose episodes were split into rows (forks), the judge's programs.
 """
 
@@ -262,21 +263,29 @@ def make_plan(c) -> dict[str, Any]:
       if name in want:
         low = lowerings.Lowering(name, lambda lowered=lowered: lowered)
         progs.append(_analyze(low, _mesh_desc(meshes[name]), chip, extra_s=lower_s)[0])
-  scoring = [_teacher_lowering(c, topo, devices)] if c.algorithm.distills and "teacher_score" in want else []
+  scoring = _teacher_lowerings(c, topo, devices) if c.algorithm.distills and "teacher_score" in want else []
   progs += [_analyze(low, desc, chip)[0] for low, desc in scoring]
   shapes = {low.name: low.shape for low in [*train, *sampler_all, *(low for low, _ in scoring)]}
   return _table(c, chip, cfg, topo, progs, devices, sampler, decode, shapes)
 
 
-def _teacher_lowering(c, topo: Topology, devices) -> tuple[lowerings.Lowering, str]:
-  """The teacher's scoring of one step's rows (rlax.teachers.Teacher.lower) from its config.json, and its mesh."""
-  mesh, r = services.mesh(topo, c.teacher.placement), c.rollout
-  teacher = teachers.Teacher.abstract(c.teacher, on_first_slices(mesh, devices), dtype=c.model.dtype)
-  length = r.max_prompt_len + r.max_new_tokens
-  low = lowerings.Lowering("teacher_score", lambda: teacher.lower(r.rows, r.max_prompt_len, length),
-                           est_flops=lowerings.model_flops(teacher.cfg, r.rows * length, length // 2) / mesh.size,
-                           shape=dict(rows=r.rows, length=length, params=teacher.cfg.num_params()))
-  return low, _mesh_desc(mesh)
+def _teacher_lowerings(c, topo: Topology, devices) -> list[tuple[lowerings.Lowering, str]]:
+  """Each teacher's scoring program (rlax.teachers.Teacher.lower) from its config.json, at the rows of one call
+  (rlax.teachers.routing.call_rows), and its mesh: `teacher_score` the default one, `teacher_score[<name>]` a
+  routed one."""
+  mesh, r, dirs = services.mesh(topo, c.teacher.placement), c.rollout, c.teacher.dirs()
+  rows, length = teachers.call_rows(r.rows, len(dirs), c.teacher.rows_per_pass), r.max_prompt_len + r.max_new_tokens
+  out = []
+  for name, path in dirs.items():
+    teacher = teachers.Teacher.abstract(dataclasses.replace(c.teacher, hf_checkpoint=path),
+                                        on_first_slices(mesh, devices), dtype=c.model.dtype,
+                                        top_k=c.algorithm.teacher_top_k, student_vocab=c.model.vocab_size)
+    low = lowerings.Lowering("teacher_score" + ("" if name == teachers.DEFAULT else f"[{name}]"),
+                             lambda t=teacher: t.lower(rows, r.max_prompt_len, length),
+                             est_flops=lowerings.model_flops(teacher.cfg, rows * length, length // 2) / mesh.size,
+                             shape=dict(rows=rows, length=length, params=teacher.cfg.num_params()))
+    out.append((low, _mesh_desc(mesh)))
+  return out
 
 
 def _table(c, chip: Chip, cfg: models.ModelConfig, topo: Topology, progs: list[Program], devices, sampler: Sampler,

@@ -2,7 +2,7 @@
 
 from rlax.algorithms.advantages import (dr_grpo_advantages, gae_advantages, grpo_advantages,
                                         reinforce_pp_advantages, rloo_advantages)
-from rlax.algorithms.distill import mean_reverse_kl, reverse_kl_advantages
+from rlax.algorithms.distill import mean_reverse_kl, reverse_kl_advantages, top_k_forward_kl
 from rlax.algorithms.aggregation import AGG_MODES, aggregate, denominators
 from rlax.algorithms.off_policy import IS_MODES, importance_weights
 from rlax.algorithms.policy_losses import POLICY_LOSSES, cispo_loss, gspo_loss, ppo_loss, reinforce_loss

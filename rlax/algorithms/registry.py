@@ -46,7 +46,9 @@ class AlgorithmConfig:
     directory of the policy's architecture ("hf:<dir>"); the first value_warmup_steps steps train only it.
   distill_coef: on-policy distillation, the per-token reverse KL to a teacher as an advantage
     (rlax.algorithms.distill; batches carry the teacher's log-probs), added to reward_coef x the estimator's
-    advantage of the task reward (0: distillation alone).
+    advantage of the task reward (0: distillation alone). forward_kl_coef: a top-k forward-KL term in the loss,
+    KL(teacher || student) over the teacher's `forward_kl_top_k` most likely tokens at each scored slot
+    (rlax.algorithms.distill.top_k_forward_kl); batches then carry the teacher's top-k.
   """
   name: str = "grpo"
   advantage: str = "grpo"
@@ -73,6 +75,8 @@ class AlgorithmConfig:
   value_warmup_steps: int = 0
   distill_coef: float = 0.0
   reward_coef: float = 1.0
+  forward_kl_coef: float = 0.0
+  forward_kl_top_k: int = 16
 
   def __post_init__(self):
     def one_of(field, options):
@@ -109,9 +113,12 @@ class AlgorithmConfig:
       raise ValueError(f"critic_init={self.critic_init!r}: use 'policy' or 'hf:<HF model directory>'")
     if self.has_value_model != (self.advantage == "gae"):
       raise ValueError(f"has_value_model={self.has_value_model} goes with advantage='gae' (PPO) only")
-    if self.distill_coef < 0 or self.reward_coef < 0 or not (self.distill_coef or self.reward_coef):
-      raise ValueError(f"distill_coef={self.distill_coef} and reward_coef={self.reward_coef} must be >= 0, "
-                       "not both 0")
+    if min(self.distill_coef, self.reward_coef, self.forward_kl_coef) < 0 or not (
+        self.distill_coef or self.reward_coef or self.forward_kl_coef):
+      raise ValueError(f"distill_coef={self.distill_coef}, reward_coef={self.reward_coef} and forward_kl_coef="
+                       f"{self.forward_kl_coef} must be >= 0, not all 0")
+    if self.forward_kl_top_k < 1:
+      raise ValueError(f"forward_kl_top_k={self.forward_kl_top_k} must be >= 1")
     if self.distill_coef and (self.has_value_model or self.policy_loss == "gspo"):
       raise ValueError(f"distill_coef={self.distill_coef} gives per-token advantages: not with "
                        f"{'a value model' if self.has_value_model else 'GSPO'}")
@@ -127,15 +134,22 @@ class AlgorithmConfig:
   @property
   def distills(self) -> bool:
     """Whether batches carry a teacher's log-probs (RolloutBatch.teacher_logprobs): the trainer then adds the
-    reverse-KL advantage, and the run scores its rollouts with the teacher (rlax.teachers)."""
-    return self.distill_coef > 0
+    reverse-KL advantage (and the forward-KL term), and the run scores its rollouts with the teacher
+    (rlax.teachers)."""
+    return self.distill_coef > 0 or self.forward_kl_coef > 0
+
+  @property
+  def teacher_top_k(self) -> int:
+    """The teacher's most likely tokens a batch carries per scored slot: forward_kl_top_k with a forward-KL term,
+    else 0. Callers: the trainer's batch shapes, rlax.teachers, rlax.runtime.run_state."""
+    return self.forward_kl_top_k if self.forward_kl_coef > 0 else 0
 
   @property
   def zero_advantage_inert(self) -> bool:
     """Whether a scored token with advantage 0 adds nothing to the policy's gradient: every policy loss is the
     advantage times a function of the log-probs, but an entropy bonus or a KL term in the loss is not. The
     trainer then skips micro-batches whose advantages are all 0 (rlax.trainer.trainer)."""
-    return not self.entropy_coef and not (self.kl_coef > 0 and not self.kl_in_reward)
+    return not self.entropy_coef and not (self.kl_coef > 0 and not self.kl_in_reward) and not self.forward_kl_coef
 
   @property
   def tied_groups_inert(self) -> bool:

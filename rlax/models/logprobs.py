@@ -19,40 +19,48 @@ from rlax.models.config import ModelConfig
 
 
 def logprobs_from_hidden(h: Float[Array, "B T D"], w: Float[Array, "D V"], targets: Int[Array, "B T"], *,
-                         temperature: float = 1.0, chunk: int = 256, with_entropy: bool = False):
+                         temperature: float = 1.0, chunk: int = 256, with_entropy: bool = False, top_k: int = 0,
+                         top_vocab: int = 0, at: Optional[Int[Array, "B T k"]] = None):
   """log p(targets[b, t] | h[b, t]) for logits h @ w / temperature, chunked over T.
 
-  Returns [B, T] log-probs (f32), and [B, T] entropies when `with_entropy`.
+  Returns [B, T] log-probs (f32); then [B, T] entropies when `with_entropy`; then, with `top_k`, the k most
+  likely ids [B, T, k] (int32, among the first `top_vocab` when given) and their log-probs [B, T, k]; then, with
+  `at` [B, T, k'] ids, their log-probs [B, T, k']. A lone array when only the log-probs are asked for.
+  Callers: rlax.trainer.layouts.Layout.logprobs (the trainer's and a teacher's top-k for forward KL).
   """
   B, T, D = h.shape
   chunk = max(1, min(chunk, T))
   n = -(-T // chunk)
   pad = n * chunk - T
+  extra = () if at is None else (at,)
   if pad:
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
-  hc = h.reshape(B, n, chunk, D).swapaxes(0, 1)
-  tc = targets.reshape(B, n, chunk).swapaxes(0, 1)
+    extra = tuple(jnp.pad(a, ((0, 0), (0, pad), (0, 0))) for a in extra)
+  to_chunks = lambda a: a.reshape(B, n, chunk, *a.shape[2:]).swapaxes(0, 1)
+  from_chunks = lambda a: a.swapaxes(0, 1).reshape(B, n * chunk, *a.shape[3:])[:, :T]
 
   @jax.checkpoint
-  def one(hx, tx):
+  def one(hx, tx, *ax):
     logits = jnp.einsum("btd,dv->btv", hx, w, preferred_element_type=jnp.float32) / temperature
     lse = jax.nn.logsumexp(logits, axis=-1)
-    tgt = jnp.take_along_axis(logits, tx[..., None], axis=-1)[..., 0]
-    lp = tgt - lse
+    out = [jnp.take_along_axis(logits, tx[..., None], axis=-1)[..., 0] - lse]
     if with_entropy:
       p = jnp.exp(logits - lse[..., None])
-      ent = lse - jnp.sum(p * logits, axis=-1)
-      return lp, ent
-    return lp, jnp.zeros_like(lp)
+      out.append(lse - jnp.sum(p * logits, axis=-1))
+    if top_k:
+      vals, ids = jax.lax.top_k(logits[..., :top_vocab or logits.shape[-1]], top_k)
+      out += [ids.astype(jnp.int32), vals - lse[..., None]]
+    if ax:  # ids past the vocabulary are clipped (a masked slot's are never read)
+      out.append(jnp.take_along_axis(logits, ax[0], axis=-1, mode="clip") - lse[..., None])
+    return tuple(out)
 
   def body(_, xs):
     return None, one(*xs)
 
-  _, (lp, ent) = jax.lax.scan(body, None, (hc, tc))
-  lp = lp.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
-  ent = ent.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
-  return (lp, ent) if with_entropy else lp
+  _, outs = jax.lax.scan(body, None, (to_chunks(h), to_chunks(targets), *map(to_chunks, extra)))
+  outs = tuple(map(from_chunks, outs))
+  return outs if len(outs) > 1 else outs[0]
 
 
 def token_logprobs(params, cfg: ModelConfig, tokens: Int[Array, "B T"], *,

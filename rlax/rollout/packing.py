@@ -15,7 +15,7 @@ import numpy as np
 
 from rlax.models import moe
 from rlax.sampler import SampleOutput
-from rlax.trainer.batch import PackedBatch, RolloutBatch, response_loss_mask
+from rlax.trainer.batch import TEACHER_FIELDS, PackedBatch, RolloutBatch, response_loss_mask, teacher_fields
 
 
 def pack(out: SampleOutput, rewards: np.ndarray, prompt_len: int, forks=None) -> RolloutBatch:
@@ -223,9 +223,9 @@ def pack_tokens(batch: RolloutBatch, row_len: int | PackedShape, *, share_prompt
   forks = np.zeros(tok.shape, np.int32) if batch.forks is None else np.asarray(batch.forks)
   blp = np.asarray(batch.behaviour_logprobs, np.float32)
   per_tok = {"loss_mask": lm, "behaviour_logprobs": blp}
-  for name in ("ref_logprobs", "teacher_logprobs"):
+  for name in ("ref_logprobs", *TEACHER_FIELDS):
     if getattr(batch, name) is not None:
-      per_tok[name] = np.asarray(getattr(batch, name), np.float32)
+      per_tok[name] = np.asarray(getattr(batch, name))
   adv = None if batch.advantages is None else np.asarray(batch.advantages, np.float32)
   if adv is not None and adv.ndim == 2:
     per_tok["advantages"] = adv
@@ -235,7 +235,7 @@ def pack_tokens(batch: RolloutBatch, row_len: int | PackedShape, *, share_prompt
   routes = None if batch.routes is None else np.asarray(batch.routes)
   if routes is not None:
     out["routes"] = z((R, row_len, *routes.shape[2:]), moe.NO_ROUTE, routes.dtype)
-  out.update({k: z((R, K), 0.0, np.float32) for k in per_tok})
+  out.update({k: z((R, K, *a.shape[2:]), 0, a.dtype) for k, a in per_tok.items()})
   for q, row in enumerate(rows):
     r, o, k, sid = at[q], 0, 0, 0
     for prompt, members in row:
@@ -347,10 +347,10 @@ def for_trainer(batch: RolloutBatch, trainer, row_lens, share_prompts: bool = Tr
 
 
 def unpack_slots(values: np.ndarray, packed: PackedBatch, like: RolloutBatch) -> np.ndarray:
-  """Scored-slot values [R, K] of `packed` back at their places [B, T-1] of the padded batch `like`."""
+  """Scored-slot values [R, K, ...] of `packed` back at their places [B, T-1, ...] of the padded batch `like`."""
   values, seq = np.asarray(values), np.asarray(packed.seq)
   B, T = like.tokens.shape
-  out = np.zeros((B, T - 1), values.dtype)
+  out = np.zeros((B, T - 1, *values.shape[2:]), values.dtype)
   seen = np.zeros(B, np.int64)
   for r, k in zip(*np.nonzero(seq < B)):
     b = seq[r, k]
@@ -370,14 +370,14 @@ def concat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
 
 
 def empty_batch(batch: int, prompt_len: int, new_tokens: int, forks: bool = False,
-                routes: tuple[int, int] | None = None, teacher: bool = False) -> RolloutBatch:
+                routes: tuple[int, int] | None = None, teacher: bool = False, teacher_top_k: int = 0) -> RolloutBatch:
   """An all-zero numpy RolloutBatch of the static shape `pack` produces (a checkpoint restore template);
-  forks: with the field episodes fill; routes: (layers, top_k) of a model that replays them; teacher: with a
-  teacher's log-probs (a distilling run's)."""
+  forks: with the field episodes fill; routes: (layers, top_k) of a model that replays them; teacher /
+  teacher_top_k: with a teacher's fields (a distilling run's, rlax.trainer.batch.teacher_fields)."""
   T = prompt_len + new_tokens
   z = lambda *s, d=np.float32: np.zeros(s, d)
-  return RolloutBatch(tokens=z(batch, T, d=np.int32), input_mask=z(batch, T, d=bool), loss_mask=z(batch, T - 1),
+  return RolloutBatch(**teacher_fields(np.zeros, (batch, T - 1), teacher, teacher_top_k),
+                      tokens=z(batch, T, d=np.int32), input_mask=z(batch, T, d=bool), loss_mask=z(batch, T - 1),
                       behaviour_logprobs=z(batch, T - 1), rewards=z(batch), versions=z(batch, d=np.int32),
                       group_ids=z(batch, d=np.int32), forks=z(batch, T, d=np.int32) if forks else None,
-                      routes=z(batch, T, *routes, d=np.uint8) if routes else None, prompt_len=prompt_len,
-                      teacher_logprobs=z(batch, T - 1) if teacher else None)
+                      routes=z(batch, T, *routes, d=np.uint8) if routes else None, prompt_len=prompt_len)

@@ -94,12 +94,12 @@ class RolloutProducer:
 
   # -- one batch -------------------------------------------------------------------------------------------
   def _packed(self, groups: list[_Done]) -> tuple[Any, tuple[np.ndarray, ...]]:
-    """Prompt groups → (RolloutBatch, per-row info: response lengths, truncated (hit max_new_tokens), sources)."""
+    """Prompt groups → (RolloutBatch, per-row info: response lengths, truncated (hit max_new_tokens), records)."""
     out = concat_outputs([g.out for g in groups])
     forks = None if groups[0].forks is None else np.concatenate([g.forks for g in groups])
     batch = packing.pack(out, np.concatenate([g.rewards for g in groups]), self.sampler.max_prompt_len, forks)
-    sources = np.array([g.record.source for g in groups for _ in range(len(g.rewards))], dtype=object)
-    return batch, (np.asarray(out.lengths), rollout_stats.truncated_from_finish_reason(out.finish_reason), sources)
+    records = [g.record for g in groups for _ in range(len(g.rewards))]
+    return batch, (np.asarray(out.lengths), rollout_stats.truncated_from_finish_reason(out.finish_reason), records)
 
   def _round(self, s: int, rnd: int):
     """One sampling round of P prompts x G samples, every episode to its end (each turn's answer applied before
@@ -116,7 +116,7 @@ class RolloutProducer:
     return groups, time.perf_counter() - t0 - eps.reward_s, eps.reward_s, eps
 
   def batch(self, s: int) -> tuple[Any, tuple[np.ndarray, ...], dict]:
-    """Batch s, graded and packed → (RolloutBatch, per-row (lengths, truncated, sources), stats)."""
+    """Batch s, graded and packed → (RolloutBatch, per-row (lengths, truncated, records), stats)."""
     if not self.dynamic:
       groups, t_gen, t_rew, eps = self._round(s, 0)
       stats = {"gen_s": t_gen, "reward_s": t_rew}
@@ -257,14 +257,14 @@ class RolloutProducer:
 
   def _finish(self, s: int, batch, rows, stats: dict, data_state: dict, t0: float) -> None:
     """The teacher's scores (a distilling run's), the batch's stats, and the batch to the sink."""
-    lens, truncated, sources = rows
+    lens, truncated, records = rows
     if self.teacher is not None:  # off the trainer's path: it takes batches from the queue
       t1 = time.perf_counter()
       self.ensure_alive(self.teacher.mesh)
-      batch = batch.replace(teacher_logprobs=self.teacher.logprobs(batch))
+      batch = batch.replace(**self.teacher.scores(batch, records))
       stats["teacher_s"] = time.perf_counter() - t1
     rw = np.asarray(batch.rewards)
-    stats.update(rollout_stats.rollout_stats(lens, truncated, rw, sources))
+    stats.update(rollout_stats.rollout_stats(lens, truncated, rw, [r.source for r in records]))
     stats.update(reward=float(rw.mean()), pass_rate=float((rw > 0.5).mean()), response_len=float(lens.mean()),
                  response_tokens=float(lens.sum()), gen_tokens_per_s=float(lens.sum()) / max(stats["gen_s"], 1e-9),
                  rollout_s=time.perf_counter() - t0)

@@ -75,7 +75,8 @@ class RunState:
     # The KL reference is the policy RL started from; after a warm start it exists nowhere else.
     self.with_ref = run.algorithm.kl_coef > 0 and run.init.sft_steps > 0
     self._template = empty_batch(run.rollout.rows, prompt_len, run.rollout.max_new_tokens, forks=bool(run.env.name),
-                                 routes=moe.replayed_routes(run.model), teacher=run.algorithm.distills)
+                                 routes=moe.replayed_routes(run.model), teacher=run.algorithm.distills,
+                                 teacher_top_k=run.algorithm.teacher_top_k)
     self._model = to_json(run.model)
     # Orbax refuses arrays that one process of a multi-process job holds whole: save them from the host.
     self._via_host = jax.process_count() > 1

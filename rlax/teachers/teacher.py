@@ -1,13 +1,14 @@
 """A teacher: a frozen model that scores rollouts with its log-probs of the sampled tokens.
 
-    teacher = Teacher.load(run.teacher, mesh=mesh, student_tokenizer=tok)      # mesh: rlax.services.mesh
-    batch = batch.replace(teacher_logprobs=teacher.logprobs(batch))      # host RolloutBatch -> [B, T-1]
+    teacher = Teacher.load(run.teacher, mesh=mesh, student_tokenizer=tok, top_k=run.algorithm.teacher_top_k)
+    batch = batch.replace(**teacher.scores(batch))   # host RolloutBatch -> teacher_logprobs [B, T-1] (+ top-k)
 
 The same loader, sharding rules and forward as the policy (`rlax.models.hf.load_checkpoint`,
 `rlax.trainer.layouts`); one compiled program per batch shape. It scores in the rollout path (the producer's
 thread; a thread of its own when on devices of its own), so the trainer never waits on it while the queue
-holds a batch. Only scored slots (`loss_mask`) keep a
-value: prompt and appended (environment) tokens get 0, whatever the row holds there.
+holds a batch. With `top_k` it also gives its k most likely tokens at each scored slot and their log-probs
+(top-k forward KL), among the ids the student can sample. Only scored slots (`loss_mask`) keep a value:
+prompt and appended (environment) tokens get 0, whatever the row holds there.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import collections
 import contextlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rlax import models
@@ -25,7 +27,7 @@ from rlax.rollout import packing
 from rlax.sampler import params as sampler_params
 from rlax.teachers.config import TeacherConfig
 from rlax.trainer import layouts
-from rlax.trainer.batch import RolloutBatch
+from rlax.trainer.batch import TEACHER_FIELDS, RolloutBatch
 
 
 def check_tokenizers(student, teacher_dir: str) -> None:
@@ -51,18 +53,20 @@ def row_passes(rows: int, rows_per_pass: int, shards: int = 1) -> int:
 
 
 class Teacher:
-  """Frozen params on `mesh` (None: the default device) and a compiled log-prob program per batch shape."""
+  """Frozen params on `mesh` (None: the default device) and a compiled scoring program per batch shape; `top_k`:
+  also its top-k tokens per slot, among the first `vocab` ids (the student's; 0: all)."""
 
   def __init__(self, cfg: models.ModelConfig, params, mesh=None, *, temperature: float = 1.0, chunk: int = 256,
-               rows_per_pass: int = 0):
+               rows_per_pass: int = 0, top_k: int = 0, vocab: int = 0):
     self.cfg, self.mesh, self.params = cfg, mesh, params
     self.temperature, self.chunk, self.rows_per_pass = temperature, chunk, rows_per_pass
+    self.top_k, self.vocab = top_k, vocab
     self.traces: collections.Counter = collections.Counter()
     self._fn = jax.jit(self._logprobs, static_argnames=("layout", "passes"))
 
   @classmethod
   def load(cls, config: TeacherConfig, *, mesh=None, student_tokenizer=None, student_vocab: int = 0,
-           dtype=None) -> "Teacher":
+           dtype=None, top_k: int = 0) -> "Teacher":
     """The teacher `config` names, on `mesh`; with `student_tokenizer`, its tokenizer checked against it first;
     its vocabulary must cover every id the student can sample (`student_vocab`, its embedding's rows)."""
     if student_tokenizer is not None:
@@ -72,15 +76,16 @@ class Teacher:
       raise ValueError(f"teacher.hf_checkpoint={config.hf_checkpoint!r}: its {cfg.vocab_size} embedding rows do not "
                        f"cover the policy's {student_vocab}: a sampled id would have no teacher log-prob")
     return cls(cfg, params, mesh, temperature=config.temperature, chunk=config.chunk,
-               rows_per_pass=config.rows_per_pass)
+               rows_per_pass=config.rows_per_pass, top_k=top_k, vocab=student_vocab)
 
   @classmethod
-  def abstract(cls, config: TeacherConfig, mesh, dtype=None) -> "Teacher":
+  def abstract(cls, config: TeacherConfig, mesh, dtype=None, *, top_k: int = 0, student_vocab: int = 0
+               ) -> "Teacher":
     """The teacher `config` names with ShapeDtypeStructs for weights (config.json only): what launch.plan
     lowers."""
     cfg = hf.read_config(config.hf_checkpoint, dtype=dtype)
     return cls(cfg, sampler_params.abstract(cfg, mesh), mesh, temperature=config.temperature, chunk=config.chunk,
-               rows_per_pass=config.rows_per_pass)
+               rows_per_pass=config.rows_per_pass, top_k=top_k, vocab=student_vocab)
 
   def passes(self, rows: int) -> int:
     return row_passes(rows, self.rows_per_pass, shd.row_shards(self.mesh, rows))
@@ -97,14 +102,17 @@ class Teacher:
   def _ctx(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-  def _logprobs(self, params, x: dict, *, layout: layouts.Layout, passes: int):
+  def _logprobs(self, params, x: dict, *, layout: layouts.Layout, passes: int) -> dict:
     self.traces["teacher_logprobs"] += 1  # at trace time only
+    names = TEACHER_FIELDS if self.top_k else TEACHER_FIELDS[:1]
 
     def one(x):
       x = dict(x)
-      loss_mask = x.pop("loss_mask")
-      lp = layout.logprobs(params, self.cfg, x, chunk=self.chunk, temperature=self.temperature)
-      return jax.numpy.where(loss_mask > 0, lp, 0.0)
+      scored = x.pop("loss_mask") > 0
+      out = layout.logprobs(params, self.cfg, x, chunk=self.chunk, temperature=self.temperature, top_k=self.top_k,
+                            top_vocab=self.vocab)
+      out = out if isinstance(out, tuple) else (out,)
+      return {n: jnp.where(scored.reshape(*scored.shape, *(1,) * (o.ndim - 2)), o, 0) for n, o in zip(names, out)}
 
     if passes == 1:
       return one(x)
@@ -112,19 +120,20 @@ class Teacher:
     # batch's row sharding and only its activations are live at once.
     split = lambda a: a.reshape(a.shape[0] // passes, passes, *a.shape[1:]).swapaxes(0, 1)
     out = jax.lax.map(one, jax.tree.map(split, x))
-    return out.swapaxes(0, 1).reshape(-1, *out.shape[2:])
+    return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape(-1, *o.shape[2:]), out)
 
-  def logprobs(self, batch: RolloutBatch) -> np.ndarray:
-    """The teacher's log-probs [B, T-1] (float32, host) of a host RolloutBatch's tokens, 0 off `loss_mask`.
-    Episodes split into rows (forks) are scored in packed rows, each segment attending as the trainer's do: one
-    fixed shape (a row of T tokens per sequence), one more program."""
+  def scores(self, batch: RolloutBatch) -> dict:
+    """The teacher's fields of a host RolloutBatch (rlax.trainer.batch.TEACHER_FIELDS, host arrays):
+    teacher_logprobs [B, T-1] of its tokens, and with top_k its top-k ids and log-probs [B, T-1, k]; 0 off
+    `loss_mask`. Episodes split into rows (forks) are scored in packed rows, each segment attending as the
+    trainer's do: one fixed shape (a row of T tokens per sequence), one more program."""
     if not packing.is_split(batch):
       return self._scored(batch)
     B, T = batch.tokens.shape
     packed = packing.pack_tokens(batch, packing.PackedShape(length=T, rows=B, slots=T - 1), share_prompts=False)
-    return packing.unpack_slots(self._scored(packed), packed, batch)
+    return {n: packing.unpack_slots(v, packed, batch) for n, v in self._scored(packed).items()}
 
-  def _scored(self, batch) -> np.ndarray:
+  def _scored(self, batch) -> dict:
     layout = layouts.of(batch)
     x = {k: np.asarray(v) for k, v in layout.inputs(batch).items()}
     x.pop("routes", None)  # the policy's experts: a teacher routes afresh
@@ -133,4 +142,4 @@ class Teacher:
       x = jax.device_put(x, {k: shd.batch_sharding(self.mesh, v.shape[0], v.ndim) for k, v in x.items()})
     with self._ctx():
       out = self._fn(self.params, x, layout=layout, passes=self.passes(x["tokens"].shape[0]))
-      return np.asarray(jax.device_get(out), np.float32)
+      return {n: np.asarray(v) for n, v in jax.device_get(out).items()}

@@ -28,7 +28,20 @@ _DTYPES = {"tokens": jnp.int32, "input_mask": jnp.bool_, "loss_mask": jnp.float3
            "group_ids": jnp.int32, "ref_logprobs": jnp.float32, "advantages": jnp.float32,
            "positions": jnp.int32, "segment_ids": jnp.int32, "parents": jnp.int32, "score_index": jnp.int32,
            "targets": jnp.int32, "seq": jnp.int32, "forks": jnp.int32, "routes": jnp.uint8,
-           "teacher_logprobs": jnp.float32}
+           "teacher_logprobs": jnp.float32, "teacher_top_ids": jnp.int32, "teacher_top_logprobs": jnp.float32}
+# A teacher's scores of each scored slot: its log-prob of the sampled token, then (top-k forward KL) its k most
+# likely ids and their log-probs.
+TEACHER_FIELDS = ("teacher_logprobs", "teacher_top_ids", "teacher_top_logprobs")
+
+
+def teacher_fields(make, per_slot: tuple, with_teacher: bool, top_k: int) -> dict:
+  """The teacher's batch fields, make(shape, dtype) each: its log-probs per slot when `with_teacher`, and with
+  `top_k` its top-k ids and log-probs [*per_slot, top_k]; None where absent. Callers: the batches' `abstract`,
+  rlax.rollout.packing.empty_batch."""
+  shapes = {TEACHER_FIELDS[0]: per_slot} if with_teacher else {}
+  if with_teacher and top_k:
+    shapes.update({n: (*per_slot, top_k) for n in TEACHER_FIELDS[1:]})
+  return {n: make(shapes[n], _DTYPES[n]) if n in shapes else None for n in TEACHER_FIELDS}
 
 
 def _check_dtype(kind: str, name: str, x) -> None:
@@ -37,12 +50,17 @@ def _check_dtype(kind: str, name: str, x) -> None:
 
 
 def _check_fields(batch, want: dict, per_slot: tuple, seqs: int, suffix: str = "") -> None:
-  """Shapes and dtypes of `want`'s fields, of ref_logprobs and teacher_logprobs (per slot), of routes (per token:
-  [rows, length, L, k]) and of advantages ([seqs] or per slot)."""
+  """Shapes and dtypes of `want`'s fields, of ref_logprobs and the teacher's (per slot; its top-k [*per_slot, k]),
+  of routes (per token: [rows, length, L, k]) and of advantages ([seqs] or per slot)."""
   kind = type(batch).__name__
   for name in ("ref_logprobs", "teacher_logprobs"):
     if getattr(batch, name) is not None:
       want = {**want, name: per_slot}
+  if (batch.teacher_top_ids is None) != (batch.teacher_top_logprobs is None):
+    raise ValueError(f"{kind}.teacher_top_ids and teacher_top_logprobs come together")
+  if batch.teacher_top_ids is not None:
+    k = batch.teacher_top_ids.shape[-1]
+    want = {**want, "teacher_top_ids": (*per_slot, k), "teacher_top_logprobs": (*per_slot, k)}
   if batch.routes is not None:
     if batch.routes.ndim != 4:
       raise ValueError(f"{kind}.routes must be [rows, length, layers, top_k], got shape {batch.routes.shape}")
@@ -78,7 +96,9 @@ class RolloutBatch:
   in each layer, which the trainer's forwards replay (rlax.models.moe;
   NO_ROUTE: route afresh). teacher_logprobs [B,T-1] or None: a teacher's
   log-probs of the sampled tokens, on loss_mask slots (on-policy distillation,
-  rlax.teachers; 0 elsewhere).
+  rlax.teachers; 0 elsewhere); teacher_top_ids / teacher_top_logprobs
+  [B,T-1,k] or None: its k most likely tokens at each such slot and their
+  log-probs (top-k forward KL).
   """
   tokens: jax.Array
   input_mask: jax.Array
@@ -92,6 +112,8 @@ class RolloutBatch:
   forks: Optional[jax.Array] = None
   routes: Optional[jax.Array] = None
   teacher_logprobs: Optional[jax.Array] = None
+  teacher_top_ids: Optional[jax.Array] = None
+  teacher_top_logprobs: Optional[jax.Array] = None
   prompt_len: int = flax.struct.field(pytree_node=False, default=0)
 
   @property
@@ -100,16 +122,18 @@ class RolloutBatch:
 
   @classmethod
   def abstract(cls, rows: int, seq: int, *, with_ref: bool = False, prompt_len: int = 0,
-               routes: Optional[tuple[int, int]] = None, with_teacher: bool = False) -> "RolloutBatch":
+               routes: Optional[tuple[int, int]] = None, with_teacher: bool = False, teacher_top_k: int = 0
+               ) -> "RolloutBatch":
     """A batch of unsharded ShapeDtypeStructs: tokens [rows, seq] and the rest as in the class doc; routes:
-    (layers, top_k) of a model that replays them (rlax.models.moe.replayed_routes), else None."""
+    (layers, top_k) of a model that replays them (rlax.models.moe.replayed_routes), else None; with_teacher /
+    teacher_top_k: the teacher's fields (`teacher_fields`)."""
     s = lambda name, *shape: jax.ShapeDtypeStruct(shape, _DTYPES[name])
-    return cls(tokens=s("tokens", rows, seq), input_mask=s("input_mask", rows, seq),
+    return cls(**teacher_fields(jax.ShapeDtypeStruct, (rows, seq - 1), with_teacher, teacher_top_k),
+               tokens=s("tokens", rows, seq), input_mask=s("input_mask", rows, seq),
                loss_mask=s("loss_mask", rows, seq - 1), behaviour_logprobs=s("behaviour_logprobs", rows, seq - 1),
                rewards=s("rewards", rows), versions=s("versions", rows), group_ids=s("group_ids", rows),
                ref_logprobs=s("ref_logprobs", rows, seq - 1) if with_ref else None,
-               routes=s("routes", rows, seq, *routes) if routes else None, prompt_len=prompt_len,
-               teacher_logprobs=s("teacher_logprobs", rows, seq - 1) if with_teacher else None)
+               routes=s("routes", rows, seq, *routes) if routes else None, prompt_len=prompt_len)
 
   def check(self, group_size: Optional[int] = None) -> "RolloutBatch":
     """Raises ValueError naming the first field whose shape, dtype or prompt masking is wrong; returns self.
@@ -146,7 +170,8 @@ class PackedBatch:
   responses of one group; 0 for none). Token t attends to tokens s <= t of its segment or its parent's.
   Scored slots [R, K]: score_index (the row position whose hidden state predicts the slot's token),
   targets (that token), seq (the sequence 0..B-1 of the slot; B on padding), loss_mask,
-  behaviour_logprobs, ref_logprobs and teacher_logprobs (or None). Per sequence [B]: rewards, versions, group_ids (prompt-major
+  behaviour_logprobs, ref_logprobs and the teacher's fields (or None; top-k [R, K, k]). Per sequence [B]:
+  rewards, versions, group_ids (prompt-major
   as in RolloutBatch); advantages [B], [R, K] or None. routes [R, L, layers, k] or None: each row token's
   replayed experts (RolloutBatch.routes). max_len (static): the response budget (T - prompt length of the
   padded batch), Dr. GRPO's default normalizer.
@@ -167,6 +192,8 @@ class PackedBatch:
   advantages: Optional[jax.Array] = None
   routes: Optional[jax.Array] = None
   teacher_logprobs: Optional[jax.Array] = None
+  teacher_top_ids: Optional[jax.Array] = None
+  teacher_top_logprobs: Optional[jax.Array] = None
   max_len: int = flax.struct.field(pytree_node=False, default=1)
 
   @property
@@ -176,17 +203,17 @@ class PackedBatch:
 
   @classmethod
   def abstract(cls, rows: int, length: int, slots: int, seqs: int, *, with_ref: bool = False,
-               max_len: int = 1, routes: Optional[tuple[int, int]] = None, with_teacher: bool = False
-               ) -> "PackedBatch":
+               max_len: int = 1, routes: Optional[tuple[int, int]] = None, with_teacher: bool = False,
+               teacher_top_k: int = 0) -> "PackedBatch":
     """ShapeDtypeStructs of a batch of `rows` x `length` tokens, `slots` scored slots a row, `seqs` sequences;
     routes as in `RolloutBatch.abstract`."""
     s = lambda name, *shape: jax.ShapeDtypeStruct(shape, _DTYPES[name])
     row = {n: s(n, rows, length) for n in ("tokens", "positions", "segment_ids", "parents")}
     slot = {n: s(n, rows, slots) for n in ("score_index", "targets", "seq", "loss_mask", "behaviour_logprobs")}
-    return cls(**row, **slot, rewards=s("rewards", seqs), versions=s("versions", seqs),
+    return cls(**row, **slot, **teacher_fields(jax.ShapeDtypeStruct, (rows, slots), with_teacher, teacher_top_k),
+               rewards=s("rewards", seqs), versions=s("versions", seqs),
                group_ids=s("group_ids", seqs), ref_logprobs=s("ref_logprobs", rows, slots) if with_ref else None,
-               routes=s("routes", rows, length, *routes) if routes else None, max_len=max_len,
-               teacher_logprobs=s("teacher_logprobs", rows, slots) if with_teacher else None)
+               routes=s("routes", rows, length, *routes) if routes else None, max_len=max_len)
 
   def check(self, group_size: Optional[int] = None) -> "PackedBatch":
     """Raises ValueError naming the first field whose shape or dtype is wrong; returns self."""

@@ -53,23 +53,28 @@ class Layout:
     return (h[:, :-1], x["tokens"][:, self.start + 1:], *stats)
 
   def per_slot(self, head: Callable, params, cfg: models.ModelConfig, x: dict, router_stats: bool = False):
-    """head(hidden [rows, S', D], targets [rows, S']) -> tuple of [rows, S'] arrays, placed on all S slots; with
-    `router_stats` the forward's RouterStats follow them."""
+    """head(hidden [rows, S', D], targets [rows, S']) -> tuple of [rows, S', ...] arrays, placed on all S slots;
+    with `router_stats` the forward's RouterStats follow them."""
     h, t, *stats = self.hidden(params, cfg, x, router_stats)
     outs = head(h, t)
     if not self.packed and self.start:
-      outs = tuple(jnp.pad(o, ((0, 0), (self.start, 0))) for o in outs)
+      outs = tuple(jnp.pad(o, ((0, 0), (self.start, 0)) + ((0, 0),) * (o.ndim - 2)) for o in outs)
     return (*outs, *stats)
 
   def logprobs(self, params, cfg: models.ModelConfig, x: dict, *, chunk: int, temperature: float,
-               with_entropy: bool = False, router_stats: bool = False):
-    """Log-prob of each slot's token ([rows, S] f32), then entropies when `with_entropy`, then the forward's
-    RouterStats when `router_stats` (a lone log-prob array when neither)."""
+               with_entropy: bool = False, router_stats: bool = False, top_k: int = 0, top_vocab: int = 0,
+               at=None):
+    """Log-prob of each slot's token ([rows, S] f32), then entropies when `with_entropy`, then with `top_k` the
+    slot's k most likely ids and their log-probs (among the first `top_vocab`), then with `at` ([rows, S, k] ids
+    per slot) their log-probs, then the forward's RouterStats when `router_stats` (a lone log-prob array when
+    none of these). See rlax.models.logprobs_from_hidden."""
     w = models.lm_head(params, cfg)
 
     def head(h, t):
-      out = models.logprobs_from_hidden(h, w, t, temperature=temperature, chunk=chunk, with_entropy=with_entropy)
-      return out if with_entropy else (out,)
+      ids = None if at is None else at[:, self.start:] if not self.packed else at
+      out = models.logprobs_from_hidden(h, w, t, temperature=temperature, chunk=chunk, with_entropy=with_entropy,
+                                        top_k=top_k, top_vocab=top_vocab, at=ids)
+      return out if isinstance(out, tuple) else (out,)
 
     out = self.per_slot(head, params, cfg, x, router_stats)
     return out if len(out) > 1 else out[0]

@@ -19,12 +19,15 @@ from rlax.trainer.state import masked_extreme
 @flax.struct.dataclass
 class LossInputs:
   """The per-row arrays the loss needs: the forward's inputs (`model`, see layouts.Layout.inputs), the
-  per-slot masks and log-probs, and advantages ([B] or per slot; per slot in a packed batch)."""
+  per-slot masks and log-probs, and advantages ([B] or per slot; per slot in a packed batch); with a forward-KL
+  term the teacher's top-k ids and log-probs per slot."""
   model: dict
   loss_mask: jax.Array
   behaviour_logprobs: jax.Array
   advantages: jax.Array
   ref_logprobs: Optional[jax.Array] = None
+  teacher_top_ids: Optional[jax.Array] = None
+  teacher_top_logprobs: Optional[jax.Array] = None
 
 
 def kl_reward_old_logprobs(algo: algorithms.AlgorithmConfig) -> bool:
@@ -100,7 +103,16 @@ def loss_inputs(algo: algorithms.AlgorithmConfig, batch: RolloutBatch | PackedBa
     adv = layout.segments(x).spread(adv, batch.loss_mask)
   return LossInputs(model=x, loss_mask=batch.loss_mask.astype(jnp.float32),
                     behaviour_logprobs=batch.behaviour_logprobs.astype(jnp.float32),
-                    advantages=adv, ref_logprobs=batch.ref_logprobs)
+                    advantages=adv, ref_logprobs=batch.ref_logprobs, **_forward_kl_inputs(algo, batch))
+
+
+def _forward_kl_inputs(algo: algorithms.AlgorithmConfig, batch: RolloutBatch | PackedBatch) -> dict:
+  if not algo.forward_kl_coef:
+    return {}
+  if batch.teacher_top_ids is None:
+    raise ValueError(f"{algo.name} has forward_kl_coef={algo.forward_kl_coef}: fill batch.teacher_top_ids and "
+                     "teacher_top_logprobs (rlax.teachers)")
+  return dict(teacher_top_ids=batch.teacher_top_ids, teacher_top_logprobs=batch.teacher_top_logprobs)
 
 
 def _router_loss(model_cfg: models.ModelConfig) -> bool:
@@ -135,8 +147,9 @@ def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmCon
   """
   layout = layout or layouts.Layout(packed=False, start=start, max_len=mb.loss_mask.shape[1] - start)
   seg = layout.segments(mb.model)
-  lp, ent, *router = layout.logprobs(params, model_cfg, mb.model, chunk=chunk, temperature=temperature,
-                                     with_entropy=True, router_stats=model_cfg.moe is not None)
+  lp, ent, *rest = layout.logprobs(params, model_cfg, mb.model, chunk=chunk, temperature=temperature,
+                                   with_entropy=True, router_stats=model_cfg.moe is not None, at=mb.teacher_top_ids)
+  student_top, router = (rest[0], rest[1:]) if mb.teacher_top_ids is not None else (None, rest)
   m = mb.loss_mask
   behaviour = mb.behaviour_logprobs
   old = jax.lax.stop_gradient(lp) if algo.old_policy == "recompute" else behaviour
@@ -153,6 +166,10 @@ def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmCon
       total = total + algo.kl_coef * kl
   if algo.entropy_coef:
     total = total + algorithms.entropy_bonus(ent, m, algo.entropy_coef)
+  fkl = None
+  if student_top is not None:  # no IS weight: the term scores the sampled prefix, not the sampled token
+    fkl = algorithms.top_k_forward_kl(mb.teacher_top_logprobs, student_top) * m
+    total = total + algo.forward_kl_coef * fkl
   # Dr. GRPO's constant normalizer is the generation budget (arXiv 2503.20783, sec. 3.1): the response slots
   # after `start`, not T - 1, which would count the prompt's slots too.
   max_len = algo.max_len or layout.max_len
@@ -183,6 +200,8 @@ def rl_loss(params, model_cfg: models.ModelConfig, algo: algorithms.AlgorithmCon
       "logp_diff_max": jnp.max(diff),
       "tokens": tokens,
   }
+  if fkl is not None:
+    metrics["forward_kl_sum"] = jnp.sum(jax.lax.stop_gradient(fkl))
   if router:
     stats = jax.lax.stop_gradient(router[0])
     metrics.update(router_balance_sum=stats.balance * inputs, router_z_sum=stats.z * inputs, router_inputs=inputs)
@@ -206,6 +225,7 @@ def reduce_metrics(stacked: dict, loss: jax.Array, grad_norm: jax.Array, lr: jax
       "logp_diff_mean": per_tok("logp_diff_sum"),
       "logp_diff_max": ext("logp_diff_max", jnp.max, 0.0), "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
       "micro_batches_run": jnp.sum(on),
+      **({"forward_kl": per_tok("forward_kl_sum")} if "forward_kl_sum" in stacked else {}),
       **_router_metrics(stacked),
   }
 

@@ -161,14 +161,16 @@ class Trainer:
     """RolloutBatch of ShapeDtypeStructs (tokens [rows, seq]) laid out as `place` lays a real batch out."""
     return self._as_placed(RolloutBatch.abstract(rows, seq, with_ref=with_ref, prompt_len=prompt_len,
                                                  routes=moe.replayed_routes(self.model_cfg),
-                                                 with_teacher=self.algo.distills))
+                                                 with_teacher=self.algo.distills,
+                                                 teacher_top_k=self.algo.teacher_top_k))
 
   def abstract_packed(self, rows: int, length: int, slots: int, seqs: int, *, with_ref: bool,
                       max_len: int = 1) -> PackedBatch:
     """PackedBatch of ShapeDtypeStructs (rows x length tokens, slots scored slots a row) as `place` lays it out."""
     return self._as_placed(PackedBatch.abstract(rows, length, slots, seqs, with_ref=with_ref, max_len=max_len,
                                                 routes=moe.replayed_routes(self.model_cfg),
-                                                with_teacher=self.algo.distills))
+                                                with_teacher=self.algo.distills,
+                                                teacher_top_k=self.algo.teacher_top_k))
 
   def place(self, batch):
     """The batch on the trainer mesh in ONE `jax.device_put` (rows sharded as `batch_sharding` says).

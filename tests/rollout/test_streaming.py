@@ -173,7 +173,7 @@ class SlowTeacher:
   def __init__(self, delay, fail_at=-1):
     self.delay, self.fail_at, self.calls = delay, fail_at, []
 
-  def logprobs(self, batch):
+  def scores(self, batch, records=None):
     import threading
     import time
     if len(self.calls) == self.fail_at:
@@ -181,7 +181,7 @@ class SlowTeacher:
     t0 = time.perf_counter()
     time.sleep(self.delay)
     self.calls.append((threading.current_thread().name, t0, time.perf_counter()))
-    return np.zeros(np.shape(batch.loss_mask), np.float32)
+    return {"teacher_logprobs": np.zeros(np.shape(batch.loss_mask), np.float32)}
 
 
 def _timed_producer(teacher):

@@ -1,8 +1,11 @@
 """On-policy distillation end to end: a tiny random HF student and a teacher (the student with 3x its logits, the
 same tokenizer) scored beside the sampler, in the rollout path: its cost and the reverse KL in every metrics row,
-one teacher program, nothing compiled after the first step; on a slice of its own (teacher.placement="own"), it
+one teacher program (with a forward-KL term, its top-k too), nothing compiled after the first step; two teachers
+chosen per record; on a slice of its own (teacher.placement="own"), it
 runs beside the sampler while that slice is lost. (That the update descends the reverse KL is
 tests/teachers/test_teacher.py's.)"""
+
+import pytest
 
 from configs import base
 from harness import hf_models
@@ -35,14 +38,34 @@ def _config(tmp_path, **topology):
   return c
 
 
-def test_a_distilling_run_scores_every_batch_with_its_teacher(tmp_path):
-  ctl = Controller(_config(tmp_path), progress=False, reward_fn=lambda text, record: (0.0, {}))
+@pytest.mark.parametrize("forward_kl", [0.0, 0.5])
+def test_a_distilling_run_scores_every_batch_with_its_teacher(tmp_path, forward_kl):
+  """With a forward-KL term the batches carry the teacher's top-k too (one program all the same)."""
+  c = _config(tmp_path)
+  c.algorithm.overrides = dict(forward_kl_coef=forward_kl, forward_kl_top_k=4)
+  ctl = Controller(c, progress=False, reward_fn=lambda text, record: (0.0, {}))
   out = ctl.run()
   assert out["steps"] == 3
   rows = ctl.metrics.history
   assert all(r["teacher_s"] > 0 and r["teacher_kl"] > 0 for r in rows)
+  assert all(r["forward_kl"] > 0 for r in rows) if forward_kl else all("forward_kl" not in r for r in rows)
   assert all(r["compiles"] == 0 for r in rows[1:])
   assert ctl.sampling.teacher(ctl.parts).traces["teacher_logprobs"] == 1
+
+
+def test_rows_are_scored_by_the_teacher_their_record_names(tmp_path):
+  """Two teachers (the sharp one by default; the student itself for records whose metadata says "self"): each
+  scores its records' rows, in passes of 4 rows, with nothing compiled after the first step."""
+  c = _config(tmp_path)
+  write_jsonl([Record(id=str(i), prompt=f"{p} ({i})", answer="four", metadata={"who": "self"} if i % 2 else {})
+               for i, p in enumerate(PROMPTS * 3)], str(tmp_path / "train.jsonl"))
+  c.teacher.update(route_field="who", routes={"self": str(tmp_path / "student")}, rows_per_pass=4)
+  ctl = Controller(c, progress=False, reward_fn=lambda text, record: (0.0, {}))
+  assert ctl.run()["steps"] == 3
+  teachers = ctl.sampling.teacher(ctl.parts)
+  assert set(teachers.rows) == {"default", "self"} and sum(teachers.rows.values()) >= 3 * 8
+  assert {n: t.traces["teacher_logprobs"] for n, t in teachers.teachers.items()} == {"default": 1, "self": 1}
+  assert all(r["compiles"] == 0 for r in ctl.metrics.history[1:])
 
 
 def test_a_teacher_on_its_own_slice_moves_beside_the_sampler_while_it_is_lost(tmp_path):

@@ -46,7 +46,14 @@ def mixed_batch(params, *, shared: bool, seed: int = 0) -> RolloutBatch:
   teacher = (lp + 0.4 * rng.normal(size=lp.shape)).astype(np.float32) * lm  # read by distilling algorithms only
   return RolloutBatch(tokens=tokens, input_mask=mask, loss_mask=lm, behaviour_logprobs=behaviour,
                       rewards=rewards, versions=np.zeros(B, np.int32), group_ids=(np.arange(B) // G).astype(np.int32),
-                      ref_logprobs=ref, prompt_len=P, teacher_logprobs=teacher)
+                      ref_logprobs=ref, prompt_len=P, teacher_logprobs=teacher, **_teacher_top(rng, lm))
+
+
+def _teacher_top(rng, lm, k=3) -> dict:
+  """A teacher's top-k ids and log-probs on the scored slots (read by the forward-KL objective only)."""
+  ids = rng.integers(0, CFG.vocab_size, (*lm.shape, k)).astype(np.int32) * (lm[..., None] > 0)
+  lps = np.sort(-rng.uniform(0.05, 4.0, (*lm.shape, k)), -1)[..., ::-1].astype(np.float32) * lm[..., None]
+  return dict(teacher_top_ids=ids, teacher_top_logprobs=np.ascontiguousarray(lps))
 
 
 def _algorithms():
@@ -55,7 +62,8 @@ def _algorithms():
           ("reinforce_pp", dict(kl_coef=0.1, kl_in_reward=True)), ("grpo", dict(kl_coef=0.1, kl_in_reward=True)),
           ("ppo", dict(kl_coef=0.05, kl_in_reward=True)), ("gspo", dict(old_policy="behaviour")),
           ("dr_grpo", dict(off_policy="tis_token")), ("distill", dict(reward_coef=0.5, off_policy="tis_token")),
-          ("grpo", dict(distill_coef=0.3))]
+          ("grpo", dict(distill_coef=0.3)), ("distill", dict(forward_kl_coef=0.5, forward_kl_top_k=3)),
+          ("grpo", dict(distill_coef=0.0, forward_kl_coef=0.2, forward_kl_top_k=3))]
   return out
 
 
@@ -99,7 +107,8 @@ def test_objective_packed_equals_padded(params, name, kw, shared):
 # The step end to end where it differs by algorithm (each algorithm's advantages and loss are covered above): a
 # group-normalized one, PPO's value model (and its KL reward) and a distilling one's teacher log-probs.
 @pytest.mark.parametrize("name,kw", [("grpo", {}), ("ppo", {}), ("ppo", dict(kl_coef=0.05, kl_in_reward=True)),
-                                     ("distill", {})], ids=lambda a: str(a))
+                                     ("distill", {}), ("distill", dict(forward_kl_coef=0.5, forward_kl_top_k=3))],
+                         ids=lambda a: str(a))
 def test_trainer_step_packed_equals_padded(params, name, kw):
   """Trainer.step end to end (advantages, PPO's value model and GAE, metrics, the AdamW update) on 2 devices."""
   algo = A.get_algorithm(name, **kw)
@@ -175,13 +184,17 @@ def _with_appended_garbage(params):
   lm[0, P - 1 + 1:P - 1 + 3] = 0.0  # a two-token environment turn between two sampled turns
   lm[5, P - 1 + 2] = 0.0
   clean = clean.replace(loss_mask=lm, behaviour_logprobs=clean.behaviour_logprobs * lm,
-                         ref_logprobs=clean.ref_logprobs * lm, teacher_logprobs=clean.teacher_logprobs * lm)
+                         ref_logprobs=clean.ref_logprobs * lm, teacher_logprobs=clean.teacher_logprobs * lm,
+                         teacher_top_ids=clean.teacher_top_ids * (lm[..., None] > 0),
+                         teacher_top_logprobs=clean.teacher_top_logprobs * lm[..., None])
   appended = (lm == 0) & clean.input_mask[:, 1:]
   appended[:, :P - 1] = False
   assert appended.sum() == 4
   dirty = clean.replace(behaviour_logprobs=np.where(appended, 37.5, clean.behaviour_logprobs),
                          ref_logprobs=np.where(appended, -1e3, clean.ref_logprobs),
-                         teacher_logprobs=np.where(appended, 55.0, clean.teacher_logprobs))
+                         teacher_logprobs=np.where(appended, 55.0, clean.teacher_logprobs),
+                         teacher_top_ids=np.where(appended[..., None], 10**6, clean.teacher_top_ids).astype(np.int32),
+                         teacher_top_logprobs=np.where(appended[..., None], 99.0, clean.teacher_top_logprobs))
   return clean, dirty
 
 
@@ -206,9 +219,11 @@ def _split_pair(params, seed=0):
   teacher = (lp + 0.4 * rng.normal(size=lp.shape)).astype(np.float32) * lm
   base = dict(rewards=rng.normal(size=B).astype(np.float32), versions=np.zeros(B, np.int32),
               group_ids=(np.arange(B) // G).astype(np.int32), prompt_len=P)
+  top = _teacher_top(rng, lm)
   unsplit = RolloutBatch(tokens=one, input_mask=mask, loss_mask=lm, behaviour_logprobs=behaviour,
-                         ref_logprobs=ref, teacher_logprobs=teacher, **base)
+                         ref_logprobs=ref, teacher_logprobs=teacher, **top, **base)
   toks, smask, slm, sb, sr, st = (np.zeros_like(a) for a in (one, mask, lm, behaviour, ref, teacher))
+  stop = {n: np.zeros_like(a) for n, a in top.items()}
   forks = np.zeros_like(one)
   for b in range(B):
     x = np.concatenate([r1[b], env[b]]) if b < 4 else np.concatenate([prompt[b], r1[b], env[b]])
@@ -219,8 +234,10 @@ def _split_pair(params, seed=0):
     for src, dst in ((0, 0), (1, 1), (3, 2 + len(x)), (4, 3 + len(x))):  # sampled tokens' slots
       slm[b, P - 1 + dst], sb[b, P - 1 + dst], sr[b, P - 1 + dst] = 1.0, behaviour[b, P - 1 + src], ref[b, P - 1 + src]
       st[b, P - 1 + dst] = teacher[b, P - 1 + src]
+      for n in stop:
+        stop[n][b, P - 1 + dst] = top[n][b, P - 1 + src]
   split = RolloutBatch(tokens=toks, input_mask=smask, loss_mask=slm, behaviour_logprobs=sb, ref_logprobs=sr,
-                       teacher_logprobs=st, forks=forks, **base)
+                       teacher_logprobs=st, forks=forks, **stop, **base)
   return unsplit, split
 
 
