@@ -28,8 +28,10 @@ What it lowers (rlax.planning_programs), against what the run compiles:
   weights: the push's three parts (not colocated) and with LoRA the sampler's merge.
   teacher (a distilling run): `teacher_score`, its log-probs of one step's padded rows (in
     teacher.rows_per_pass passes; with routed teachers, `teacher_score[<name>]` too, each at the rows of one
-    call), on its mesh (rlax.services: its own slices or the sampler's). Not lowered:
-    the packed rows of a batch whose episodes were split into rows (forks), the judge's programs.
+    call), on its mesh (rlax.services: its own slices or the sampler's). Not lowered: the packed rows of a
+    batch whose episodes were split into rows (forks).
+  judge (reward.name="judge"): `judge_prefill`, `judge_admit` (a full admission of replies) and `judge_decode`
+    (greedy, every slot: rlax.builders.judge_slots), on its mesh. Not lowered: its smaller admission buckets.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ GIB = 2 ** 30
 PROGRAMS = ("trainer_step", "sampler_prefill", "sampler_admit", "sampler_decode", "sampler_recompute",
             "push_to_transport", "push_cross", "push_to_sampler")
 LORA_PROGRAMS = ("sampler_merge",)  # with model.lora: the adapters merged into the sampler's pristine base
-SERVICE_PROGRAMS = ("teacher_score",)  # a distilling run's teacher
+SERVICE_PROGRAMS = ("teacher_score", "judge_prefill", "judge_admit", "judge_decode")  # a teacher, a judge
 
 
 class PlanError(ValueError):
@@ -264,6 +266,10 @@ def make_plan(c) -> dict[str, Any]:
         low = lowerings.Lowering(name, lambda lowered=lowered: lowered)
         progs.append(_analyze(low, _mesh_desc(meshes[name]), chip, extra_s=lower_s)[0])
   scoring = _teacher_lowerings(c, topo, devices) if c.algorithm.distills and "teacher_score" in want else []
+  if c.reward.name == "judge":
+    jmesh = services.mesh(topo, c.judge.placement)
+    scoring += [(low, _mesh_desc(jmesh)) for low in lowerings.judge_lowerings(c, on_first_slices(jmesh, devices))
+                if low.name in want]
   progs += [_analyze(low, desc, chip)[0] for low, desc in scoring]
   shapes = {low.name: low.shape for low in [*train, *sampler_all, *(low for low, _ in scoring)]}
   return _table(c, chip, cfg, topo, progs, devices, sampler, decode, shapes)

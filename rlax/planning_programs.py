@@ -2,7 +2,8 @@
 
 The trainer's programs are the resolved run's (`rlax.run.train_plan`), every one; the sampler is built with the
 slots the runtime gives it (`rlax.builders.slots`), and its programs are the largest of each kind the run
-compiles (rlax.planning's docstring says which are left out).
+compiles (rlax.planning's docstring says which are left out); a judge's engine is the runtime's
+(`rlax.judges.engine`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from jax.sharding import Mesh
 
 from rlax import builders
 from rlax import config as config_lib
+from rlax import judges
 from rlax import models
 from rlax import run as run_lib
+from rlax.models import hf
 from rlax.models import variation
-from rlax.sampler import Sampler, layouts, paged, sizing
+from rlax.sampler import Sampler, layouts, paged, sizing, strategies
 from rlax.trainer import Trainer
 
 
@@ -121,6 +124,22 @@ def sampler_lowerings(c: config_lib.RunConfig, sampler: Sampler) -> list[Lowerin
     out.append(Lowering("sampler_recompute", sampler.lower_recompute,
                         model_flops(cfg, sampler.slots * seq, seq // 2) / n, dict(slots=sampler.slots)))
   return out
+
+
+def judge_lowerings(c: config_lib.RunConfig, mesh: Mesh) -> list[Lowering]:
+  """A judging run's judge (rlax.judges.engine) from its config.json on `mesh`, at the run's judge slots: the
+  prefill and admission of a full admission of replies (`judge_prefill`, `judge_admit`) and the greedy decode
+  chunk over every slot (`judge_decode`)."""
+  j = c.judge
+  cfg = hf.read_config(j.hf_checkpoint, dtype=c.model.dtype)
+  engine = judges.engine(j, cfg, mesh, slots=builders.judge_slots(c), memory_budget_bytes=1 << 62)
+  q, n, greedy = engine.group_buckets(1)[-1], mesh.devices.size, strategies.Greedy()
+  admit = functools.lru_cache(maxsize=1)(functools.partial(engine.lower_admit, q, 1, greedy))
+  return [Lowering("judge_prefill", lambda: admit()["prefill"],
+                   model_flops(cfg, q * j.max_prompt_len, j.max_prompt_len // 2) / n, dict(replies=q)),
+          Lowering("judge_admit", lambda: admit()["admit"], shape=dict(replies=q)),
+          Lowering("judge_decode", lambda: engine.lower_decode(greedy),
+                   model_flops(cfg, engine.slots, j.max_prompt_len + j.max_new_tokens) / n, dict(slots=engine.slots))]
 
 
 def decode_counts(c: config_lib.RunConfig, sampler: Sampler, unrolled: jax.stages.Compiled) -> dict[str, Any]:

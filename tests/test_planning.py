@@ -373,3 +373,18 @@ def test_a_distilling_plan_compiles_the_teachers_scoring_on_its_mesh(tmp_path, p
   assert prog["argument_bytes"] >= weights // (1 if placement == "own" else 2)
   assert t["estimates"]["teacher_score_s"] > 0 and prog["temp_bytes"] > 0
   assert t["config"]["service_mesh"] == ({"data": 2, "fsdp": 1, "tensor": 1} if placement == "own" else None)
+
+
+def test_a_judging_plan_compiles_the_judges_engine_on_its_mesh(tmp_path):
+  from harness import hf_models
+  hf_models.make_dir(tmp_path / "judge", "qwen2", tie=False, seed=1)
+  c = tiny_config()
+  c.reward.name = "judge"
+  c.judge.update(hf_checkpoint=str(tmp_path / "judge"), slots=8, max_prompt_len=48, max_new_tokens=8)
+  c.plan.programs = "judge_prefill,judge_admit,judge_decode"
+  progs = {p["name"]: p for p in planning.make_plan(c)["programs"]}
+  assert list(progs) == ["judge_prefill", "judge_admit", "judge_decode"]
+  judge = M.hf.read_config(str(tmp_path / "judge"), dtype=config_lib.load(c).model.dtype)
+  assert progs["judge_decode"]["shape"] == dict(slots=8) and progs["judge_prefill"]["shape"]["replies"] >= 2
+  assert progs["judge_decode"]["argument_bytes"] > 0 and progs["judge_prefill"]["temp_bytes"] > 0
+  assert progs["judge_decode"]["est_flops"] > 0 and judge.num_params() > 0

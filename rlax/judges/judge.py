@@ -38,6 +38,16 @@ def question_of(record) -> str:
   return users[-1] if users else ""
 
 
+def engine(config: JudgeConfig, model_cfg, mesh, *, slots: int, params=None, eos_id=None, pad_id: int = 0,
+           **kw) -> Sampler:
+  """The judge's sampling engine: never new weights (no recompute program), a batch at a time (no smaller
+  decode), few admission sizes, and a short verdict in one decode chunk. Callers: Judge, launch.plan (`kw`:
+  its memory budget)."""
+  return Sampler(model_cfg, mesh, max_prompt_len=config.max_prompt_len, max_new_tokens=config.max_new_tokens,
+                 slots=slots, eos_id=eos_id, pad_id=pad_id, params=params, on_swap="keep", shrink=False,
+                 admit_factor=4, decode_chunk=min(config.max_new_tokens, 16), **kw)
+
+
 class Judge:
   """Params on `mesh` behind a greedy `Sampler` of `slots` rows; see the module docstring."""
 
@@ -47,12 +57,8 @@ class Judge:
     self.parser = verdicts.Parser(config.verdict, config.labels, config.scale)
     self.template = config.template_text()
     self.render = renderers.renderer("auto", tokenizer)
-    # Never new weights (no recompute program), a batch at a time (no smaller decode), few admission sizes, and
-    # a short verdict in one decode chunk.
-    self.engine = Sampler(model_cfg, mesh, max_prompt_len=config.max_prompt_len,
-                          max_new_tokens=config.max_new_tokens, slots=slots, eos_id=tokenizer.eos_ids,
-                          pad_id=tokenizer.pad_id, params=params, on_swap="keep", shrink=False, admit_factor=4,
-                          decode_chunk=min(config.max_new_tokens, 16))
+    self.engine = engine(config, model_cfg, mesh, slots=slots, params=params, eos_id=tokenizer.eos_ids,
+                         pad_id=tokenizer.pad_id)
     self._lock = threading.Lock()  # one batch at a time: training and evaluation share the engine
     self.batches = 0
 
