@@ -123,10 +123,10 @@ def apply_cpu_devices() -> None:
   jax.config.update("jax_num_cpu_devices", flags.FLAGS.cpu_devices)
 
 
-# `--config.model.overrides.<key>=v` (and algorithm's): these dicts hold only the keys a config file sets, so
-# ml_collections cannot override any other key (`--config.model.overrides.dtype=bfloat16` on the demo); such
-# flags are set after parsing instead, their values read as Python literals (else as strings).
-_OPEN_DICTS = ("config.model.overrides.", "config.algorithm.overrides.")
+# `--config.model.overrides.<key>=v` (and algorithm's, and teacher.routes): these dicts hold only the keys a
+# config file sets, so ml_collections cannot override any other key (`--config.model.overrides.dtype=bfloat16` on
+# the demo); such flags are set after parsing instead, their values read as Python literals (else as strings).
+_OPEN_DICTS = ("config.model.overrides.", "config.algorithm.overrides.", "config.teacher.routes.")
 _SET_AFTER: dict[str, str] = {}
 
 
@@ -153,13 +153,13 @@ def _set_after_parsing() -> None:
           f"{lines[-1] if lines else type(cause).__name__}", file=sys.stderr)
     sys.exit(2)
   for name, text in _SET_AFTER.items():
-    _, section, _, key = name.split(".")
+    _, section, field, key = name.split(".")
     try:
       value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
       value = text
     with config.unlocked():
-      config[section]["overrides"][key] = value
+      config[section][field][key] = value
 
 
 def parse_or_exit(argv):

@@ -269,12 +269,13 @@ def _teacher_bytes(run: RunConfig, mesh: AbstractMesh, isz: int) -> tuple[int, f
   teachers score one after another), 0s without one."""
   if not run.algorithm.distills:
     return 0, 0.0
-  r = run.rollout
-  batch = r.rows // teachers.row_passes(r.rows, run.teacher.rows_per_pass, shd.row_shards(mesh, r.rows))
+  r, dirs, per_pass = run.rollout, run.teacher.dirs(), run.teacher.rows_per_pass
+  call = teachers.call_rows(r.rows, len(dirs), per_pass)  # a call's rows, in row_passes passes
+  batch = call // teachers.row_passes(call, per_pass, shd.row_shards(mesh, call))
   S, rows = r.max_prompt_len + r.max_new_tokens, batch // shd.row_shards(mesh, batch)
   tensor = dict(mesh.shape)["tensor"]
   weights, scratch = 0, 0.0
-  for path in run.teacher.dirs().values():
+  for path in dirs.values():
     tcfg = hf.read_config(path, dtype=run.model.dtype)
     logits = _LOGIT_COPIES * rows * min(run.teacher.chunk, S) * _split(tcfg.vocab_size, tensor) * 4
     weights += sizing.weight_bytes(tcfg, mesh)

@@ -36,8 +36,11 @@ def check(run) -> None:
   algo, topo = run.algorithm, run.topology
   own = [f"{k}.placement='own'" for k, v in placements(run).items() if v == "own"]
   checks = [
-      (algo.distills == bool(run.teacher.hf_checkpoint), f"algorithm.distill_coef={algo.distill_coef} and "
-       f"teacher.hf_checkpoint={run.teacher.hf_checkpoint!r}: a distilling run needs a teacher, and only it"),
+      (algo.distills == bool(run.teacher.hf_checkpoint), f"algorithm.distill_coef={algo.distill_coef}, "
+       f"forward_kl_coef={algo.forward_kl_coef} and teacher.hf_checkpoint={run.teacher.hf_checkpoint!r}: a "
+       "distilling run needs a teacher, and only it"),
+      (algo.teacher_top_k <= run.model.vocab_size, f"algorithm.forward_kl_top_k={algo.forward_kl_top_k} exceeds "
+       f"the policy's vocabulary of {run.model.vocab_size}"),
       ((run.reward.name == "judge") == bool(run.judge.hf_checkpoint), f"reward.name={run.reward.name!r} and "
        f"judge.hf_checkpoint={run.judge.hf_checkpoint!r}: reward.name='judge' needs a judge, and only it reads one"),
       (run.reward.name != "judge" or (run.reward.answer == "auto" and not run.reward.format_weight

@@ -167,14 +167,17 @@ def test_main_bad_input_is_one_line(args, want):
 
 
 def test_model_overrides_the_config_file_does_not_set_are_accepted():
-  """`--config.model.overrides.dtype=bfloat16` on a config whose overrides dict has no `dtype` key."""
+  """`--config.model.overrides.dtype=bfloat16` on a config whose overrides dict has no `dtype` key (and a teacher
+  route, `teacher.routes` being such a dict too)."""
   code = ("import sys; from absl import flags; from launch import flags_util as f\n"
           "C = f.define_config(f.DEMO_CONFIG); f.parse_or_exit(sys.argv)\n"
-          "print(dict(C.value.model.overrides), f.config_args()['config.model.overrides.dtype'])\n")
+          "print(dict(C.value.teacher.routes), dict(C.value.model.overrides), "
+          "f.config_args()['config.model.overrides.dtype'])\n")
   r = _run("-c", code, "--config=configs/demo.py:tiny", "--config.model.overrides.dtype=bfloat16",
-           "--config.model.overrides.d_model=64", env=_ENV)
+           "--config.model.overrides.d_model=64", "--config.teacher.routes.code=/models/coder", env=_ENV)
   assert r.returncode == 0, r.stderr[-2000:]
   assert "'dtype': 'bfloat16'" in r.stdout and "'d_model': 64" in r.stdout and r.stdout.split()[-1] == "bfloat16"
+  assert r.stdout.startswith("{'code': '/models/coder'}")
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])

@@ -50,7 +50,8 @@ class SamplerRole:
     parts.sampler.warm_up(parts.weights.latest()[0], builders.sampler_uses(self.run), extend=extend)
     self.judge(parts)  # loaded and compiled before the first batch too
     if (teacher := self.teacher(parts)) is not None:
-      teacher.warm_up(self.run.rollout.rows, parts.sampler.max_prompt_len, self.run.rollout.max_new_tokens)
+      teacher.warm_up(self.run.rollout.rows, parts.sampler.max_prompt_len, self.run.rollout.max_new_tokens,
+                      forks=bool(self.run.env.name))
     allocator.release_free_memory()  # what compiling left free
     allocator.check_memory_maps("the sampler's warm-up")
 

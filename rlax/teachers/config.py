@@ -27,7 +27,7 @@ class TeacherConfig:
   chunk: int = 256
   rows_per_pass: int = 0
   route_field: str = ""
-  routes: dict[str, str] = dataclasses.field(default_factory=dict)
+  routes: dict[str, str] = dataclasses.field(default_factory=dict, hash=False)
 
   def validate(self) -> "TeacherConfig":
     if self.placement not in PLACEMENTS:
@@ -43,8 +43,8 @@ class TeacherConfig:
     if DEFAULT in self.routes or not all(isinstance(k, str) and k for k in self.routes):
       raise ValueError(f"teacher.routes={dict(self.routes)!r}: names are non-empty strings, and {DEFAULT!r} is the "
                        "default teacher's (teacher.hf_checkpoint)")
-    for name, path in self.dirs().items():
-      if not isinstance(path, str) or (path and not os.path.isfile(os.path.join(path, "config.json"))):
+    for name, path in self.dirs().items():  # "" only for the default: no teacher
+      if not isinstance(path, str) or ((path or name != DEFAULT) and not os.path.isfile(f"{path}/config.json")):
         field = "teacher.hf_checkpoint" if name == DEFAULT else f"teacher.routes.{name}"
         raise ValueError(f"{field}={path!r}: no config.json there (an HF model directory, e.g. a run's "
                          "<workdir>/export, is needed)")

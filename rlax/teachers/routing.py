@@ -51,14 +51,18 @@ class Teachers:
     """Programs traced, summed over the teachers."""
     return sum((t.traces for t in self.teachers.values()), collections.Counter())
 
-  def warm_up(self, rows: int, prompt_len: int, new_tokens: int) -> None:
-    """With several teachers, each one's program compiled before the first batch (a teacher no record names until
-    a later step would compile then), on a batch of one call's rows that scores nothing; one teacher compiles on
-    the first batch, which it scores whole."""
-    if len(self.teachers) > 1:
-      blank = packing.empty_batch(call_rows(rows, len(self.teachers), self.pass_rows), prompt_len, new_tokens)
-      for teacher in self.teachers.values():
+  def warm_up(self, rows: int, prompt_len: int, new_tokens: int, forks: bool) -> None:
+    """Each teacher's programs a later batch could first need, compiled (and run on rows that score nothing)
+    before the first batch: with several teachers the padded rows of one call (a teacher no record names until a
+    later step would compile then; one teacher compiles it on the first batch, which it scores whole), and where
+    episodes may split into rows (`forks`), the packed rows such a batch is scored in."""
+    n = call_rows(rows, len(self.teachers), self.pass_rows)
+    blank = packing.empty_batch(n, prompt_len, new_tokens)
+    for teacher in self.teachers.values():
+      if len(self.teachers) > 1:
         teacher.scores(blank)
+      if forks:
+        teacher.scores_packed(blank)
 
   def scores(self, batch: RolloutBatch, records: Optional[Sequence[Any]] = None) -> dict:
     """The teachers' fields of a host batch (Teacher.scores), each row's from its own teacher; `records`: the

@@ -125,10 +125,13 @@ class Teacher:
   def scores(self, batch: RolloutBatch) -> dict:
     """The teacher's fields of a host RolloutBatch (rlax.trainer.batch.TEACHER_FIELDS, host arrays):
     teacher_logprobs [B, T-1] of its tokens, and with top_k its top-k ids and log-probs [B, T-1, k]; 0 off
-    `loss_mask`. Episodes split into rows (forks) are scored in packed rows, each segment attending as the
-    trainer's do: one fixed shape (a row of T tokens per sequence), one more program."""
-    if not packing.is_split(batch):
-      return self._scored(batch)
+    `loss_mask`. Episodes split into rows (forks) are scored in packed rows (`scores_packed`): one fixed shape,
+    one more program."""
+    return self.scores_packed(batch) if packing.is_split(batch) else self._scored(batch)
+
+  def scores_packed(self, batch: RolloutBatch) -> dict:
+    """`scores` of `batch` computed in packed rows, as a batch whose episodes split into rows is: a row of T
+    tokens per sequence, each segment attending as the trainer's do."""
     B, T = batch.tokens.shape
     packed = packing.pack_tokens(batch, packing.PackedShape(length=T, rows=B, slots=T - 1), share_prompts=False)
     return {n: packing.unpack_slots(v, packed, batch) for n, v in self._scored(packed).items()}

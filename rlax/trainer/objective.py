@@ -40,16 +40,16 @@ def kl_reward_old_logprobs(algo: algorithms.AlgorithmConfig) -> bool:
 def batch_advantages(algo: algorithms.AlgorithmConfig, batch: RolloutBatch | PackedBatch, group_size: int,
                      old_logprobs: Optional[jax.Array] = None) -> jax.Array:
   """The batch's advantages if given, else the estimator's on (optionally KL-shaped) rewards; [B] or per slot.
-  A distilling algorithm adds the teacher's per-token reverse-KL advantage (rlax.algorithms.distill) to
-  reward_coef x those: per slot.
+  A distilling algorithm (distill_coef) adds the teacher's per-token reverse-KL advantage
+  (rlax.algorithms.distill) to reward_coef x those: per slot.
 
   old_logprobs (per slot): the old policy's log-probs, needed for kl_in_reward when old_policy="recompute"
   (with "behaviour" the sampler's are the old policy's).
   """
   if batch.advantages is not None:
     return batch.advantages.astype(jnp.float32)
-  if not algo.distills:
-    return _task_advantages(algo, batch, group_size, old_logprobs)
+  if not algo.distill_coef:  # (a forward-KL term alone is in the loss, not the advantages)
+    return algo.reward_coef * _task_advantages(algo, batch, group_size, old_logprobs)
   if batch.teacher_logprobs is None:
     raise ValueError(f"{algo.name} has distill_coef={algo.distill_coef}: fill batch.teacher_logprobs (rlax.teachers)")
   adv = algorithms.reverse_kl_advantages(batch.behaviour_logprobs, batch.teacher_logprobs, batch.loss_mask,

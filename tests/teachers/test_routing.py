@@ -42,11 +42,12 @@ def test_a_record_goes_to_the_teacher_its_metadata_names_else_to_the_default():
 
 def test_the_routes_config(two, tmp_path):
   ok = TeacherConfig(hf_checkpoint=str(two / "a"), route_field="domain", routes={"code": str(two / "b")}).validate()
-  assert ok.dirs() == {DEFAULT: str(two / "a"), "code": str(two / "b")}
+  assert ok.dirs() == {DEFAULT: str(two / "a"), "code": str(two / "b")} and hash(ok)  # a frozen section hashes
   for bad, match in [(dict(routes={"code": str(two / "b")}), "go together"),
                      (dict(route_field="domain"), "go together"),
                      (dict(route_field="d", routes={"default": str(two / "b")}), "'default' is the default teacher"),
-                     (dict(route_field="d", routes={"code": str(tmp_path)}), "teacher.routes.code=.*no config.json")]:
+                     (dict(route_field="d", routes={"code": str(tmp_path)}), "teacher.routes.code=.*no config.json"),
+                     (dict(route_field="d", routes={"code": ""}), "teacher.routes.code=''.*no config.json")]:
     with pytest.raises(ValueError, match=match):
       TeacherConfig(hf_checkpoint=str(two / "a"), **bad).validate()
   from configs import base
@@ -81,6 +82,20 @@ def test_each_row_is_scored_by_its_own_teacher(two, pass_rows):
   assert teachers.rows["code"] == 3 and teachers.traces["teacher_logprobs"] == 2
   with pytest.raises(ValueError, match="route rows by record"):
     teachers.scores(batch)
+
+
+def test_the_warm_up_compiles_what_a_later_batch_first_needs(two):
+  """One teacher: the packed rows of a batch whose episodes split into rows (forks), where a run's episodes may;
+  the padded rows compile with the first batch. Nothing new compiles when such batches come."""
+  teacher = Teacher.load(TeacherConfig(hf_checkpoint=str(two / "a")), dtype="float32")
+  teachers = Teachers({DEFAULT: teacher})
+  batch = _batch(np.random.default_rng(1))
+  teachers.warm_up(8, batch.prompt_len, batch.tokens.shape[1] - batch.prompt_len, forks=True)
+  assert teacher.traces["teacher_logprobs"] == 1
+  forks = np.zeros(batch.tokens.shape, np.int32)
+  forks[2, batch.prompt_len + 2] = 1
+  got = teachers.scores(batch.replace(forks=forks))
+  assert teacher.traces["teacher_logprobs"] == 1 and np.all(got["teacher_logprobs"][batch.loss_mask > 0] < 0)
 
 
 def _distill_plan_config(two, rows_per_pass):
