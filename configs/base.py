@@ -33,7 +33,8 @@ dataclasses' (rlax.config.defaults()); the fields each section holds, and what t
     longer completions score 0). sandbox: "auto" runs policy-written code in the jail (bubblewrap + seccomp)
     and refuses without one; "unsafe" is the explicit opt-in to run it with resource limits only (README:
     Security). name "judge": a generative judge grades (the `judge` section).
-  teacher (rlax.teachers.config.TeacherConfig): the model a distilling run learns from (algorithm distill_coef).
+  teacher (rlax.teachers.config.TeacherConfig): the model a distilling run learns from (algorithm distill_coef,
+    forward_kl_coef); routes {name: HF dir} with route_field: a teacher per record, by its metadata.
   judge (rlax.judges.config.JudgeConfig): reward.name="judge": an HF model beside the sampler reads the rubric,
     question, reference and reply (template) and writes a verdict (a number, a label or a JSON field).
   env (rlax.envs.config.EnvConfig): multi-turn episodes; name "" = one-shot rollouts; "calculator", "retry",
