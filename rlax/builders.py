@@ -37,7 +37,7 @@ from rlax.multihost import Channel, local_roles
 from rlax.rollout import text as rollout_text
 from rlax.sampler import Sampler
 from rlax.sampler import sizing
-from rlax.sampler.engine import make_layout
+from rlax.sampler.layouts import make_layout
 from rlax.sampler import strategies
 from rlax.sampler.strategies import SamplingMethod
 from rlax.topology import Topology

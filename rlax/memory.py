@@ -43,7 +43,7 @@ from rlax.models import sharding as shd
 from rlax.models import variation
 from rlax.sampler import layouts, sizing
 from rlax.sampler import params as params_lib
-from rlax.sampler.engine import make_layout
+from rlax.sampler.layouts import make_layout
 
 GIB = 2 ** 30
 

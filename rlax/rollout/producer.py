@@ -263,6 +263,8 @@ class RolloutProducer:
       self.ensure_alive(self.teacher.mesh)
       batch = batch.replace(**self.teacher.scores(batch, records))
       stats["teacher_s"] = time.perf_counter() - t1
+      for name, (n, secs) in self.teacher.last.items():  # each teacher's cost this step
+        stats.update({f"teacher_s/{name}": secs, f"teacher_rows/{name}": float(n)})
     rw = np.asarray(batch.rewards)
     stats.update(rollout_stats.rollout_stats(lens, truncated, rw, [r.source for r in records]))
     stats.update(reward=float(rw.mean()), pass_rate=float((rw > 0.5).mean()), response_len=float(lens.mean()),

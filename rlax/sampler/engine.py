@@ -19,8 +19,8 @@ record, so both draw the same tokens. A weight swap between chunks is recorded p
 v come from exactly the policy v), `"keep"` continues over the old cache.
 
 The engine holds no weights: a `Stream` reads them at every step from a source (the run's `WeightsService`,
-or `update_weights`' own one). The planner lowers the same programs through `abstract_state`, `lower_admit`
-and `lower_decode`.
+or `update_weights`' own one). The planner lowers the same programs (`lower_admit`, `lower_decode`), which every
+engine of the process that runs them shares (`rlax.sampler.programs`).
 """
 
 from __future__ import annotations
@@ -38,33 +38,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rlax import models
 from rlax.models import moe
 from rlax.models import sharding as shd
-from rlax.sampler import layouts, paged
+from rlax.sampler import layouts
 from rlax.sampler import params as params_lib
+from rlax.sampler import programs
 from rlax.sampler import prompts as prompts_lib
 from rlax.sampler import sizing
 from rlax.sampler import slots as slots_lib
 from rlax.sampler.rows import SampleOutput, concat_outputs
 from rlax.sampler.strategies import SamplingMethod, Temperature
 from rlax.weights.service import WeightsService
-
-ATTENTION = ("auto", "dense", "paged", "paged_interpret")  # Sampler(attention=...)
-
-
-def make_layout(cfg: models.ModelConfig, attention: str, prompt_len: int, new_tokens: int,
-                page_size: Optional[int] = None, platform: Optional[str] = None):
-  """The cache layout `attention` names ("auto": paged on a TPU the kernel compiles for, else dense); platform:
-  the devices' (default: the default backend's); page_size default: `paged.default_page_size`."""
-  if attention not in ATTENTION:
-    raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
-  tpu = (platform or jax.default_backend()) == "tpu"
-  if attention == "auto":
-    attention = "paged" if tpu and paged.kernel_supports(cfg) else "dense"
-  if attention == "dense":
-    return layouts.Dense(prompt_len, new_tokens)
-  kind = "interpret" if attention == "paged_interpret" else "kernel" if tpu and paged.kernel_supports(cfg) else "reference"
-  max_len = prompt_len + new_tokens
-  return layouts.Paged(max_len, page_size or paged.default_page_size(max_len), kind)
-
 
 class Sampler:
   """Continuous-batching generation over one (sub)mesh; see the module docstring.
@@ -105,7 +87,7 @@ class Sampler:
     self.max_prompt_len, self.max_new_tokens, self.pad_id = max_prompt_len, max_new_tokens, pad_id
     self.devices = list(mesh.devices.flat) if mesh is not None else [jax.devices()[0]]
     platform = self.devices[0].platform
-    self.layout = make_layout(cfg, attention, max_prompt_len, max_new_tokens, page_size, platform)
+    self.layout = layouts.make_layout(cfg, attention, max_prompt_len, max_new_tokens, page_size, platform)
     self.paged = isinstance(self.layout, layouts.Paged)
     self.attention = "dense" if not self.paged else "paged_interpret" if self.layout.attention == "interpret" else "paged"
     self.decode_chunk, self.on_swap, self.shrink = decode_chunk, on_swap, shrink and not self.paged
@@ -115,7 +97,7 @@ class Sampler:
     sizing.check({k: v for k, v in self.memory.items() if k != "budget"}, self.memory["budget"], slots,
                  max_prompt_len + max_new_tokens)
     self.placer = params_lib.Placer(cfg, mesh)
-    self.trace_counts = collections.Counter()
+    self._traces: dict = {}  # id -> (program name, its shared trace count, the count when this engine took it)
     self.last_timings: dict = {}
     statics = dict(eos_ids=self.eos_ids, stops=self.stops, pad_id=pad_id)
     lay = dict(layout=self.layout)
@@ -131,7 +113,7 @@ class Sampler:
     self._gather = self._jit("shrink", slots_lib.gather)
     self._cancel = self._jit("cancel", slots_lib.cancel, donate=(0,))
     self._grow = self._jit("grow", slots_lib.grow, donate=(0,))
-    self._empty_fns: dict[int, Callable] = {}
+    self._states: dict[int, tuple] = {}
     # Slot buckets for the tail: slots halved down to slots/16 (a decode program each; every one compiled before
     # the first batch by warm_up), none under one whole shard row.
     self.slot_buckets = ([b for b in (slots >> i for i in range(5)) if b and b % shards == 0][::-1] if self.shrink
@@ -141,12 +123,15 @@ class Sampler:
       self.update_weights(params, version)
 
   def _jit(self, name: str, fn, *, static=(), donate=(), out_shardings=None):
-    """jit(fn), counting traces (i.e. compiles) in trace_counts[name]."""
-    def traced(*args, **kw):
-      self.trace_counts[name] += 1  # runs at trace time only
-      return fn(*args, **kw)
-    kw = {} if out_shardings is None else dict(out_shardings=out_shardings)
-    return jax.jit(traced, static_argnames=static, donate_argnums=donate, **kw)
+    """jit(fn), shared by the process's engines (rlax.sampler.programs); its traces count in trace_counts."""
+    jitted, traces = programs.get(name, fn, static=static, donate=donate, out_shardings=out_shardings)
+    self._traces.setdefault(id(traces), (name, traces, traces[0]))
+    return jitted
+
+  @property
+  def trace_counts(self) -> collections.Counter:
+    """Programs traced (i.e. compiled) since this engine was built, by name: the warm-up's, then nothing."""
+    return +sum((collections.Counter({n: t[0] - t0}) for n, t, t0 in self._traces.values()), collections.Counter())
 
   def _prefill(self, groups: int):
     """The prefill of `groups` prompts, its outputs on fixed shardings (prompts over the batch axes, KV heads
@@ -197,22 +182,25 @@ class Sampler:
   def empty(self, slots: Optional[int] = None) -> slots_lib.SlotState:
     """A state with every slot free, built by one compiled call."""
     S = slots or self.slots
-    if S not in self._empty_fns:
-      build = functools.partial(slots_lib.empty, self.cfg, self.layout, S, self.max_prompt_len, self.max_new_tokens,
-                                self.pad_id, self.mesh)
-      out = None if self.mesh is None else self.state_shardings(S)
-      self._empty_fns[S] = jax.jit(build, out_shardings=out)
+    build = functools.partial(slots_lib.empty, self.cfg, self.layout, S, self.max_prompt_len, self.max_new_tokens,
+                              self.pad_id, self.mesh)
     with self.ctx():
-      return self._empty_fns[S]()
+      return programs.get("empty", build, out_shardings=self.state_shardings(S))[0]()
+
+  def _state(self, S: int) -> tuple:
+    """(shapes, shardings or None) of an S-slot state: traced once a size (every gather and grow places one)."""
+    if S not in self._states:
+      shapes = jax.eval_shape(functools.partial(slots_lib.empty, self.cfg, self.layout, S, self.max_prompt_len,
+                                                self.max_new_tokens, self.pad_id))
+      sh = None if self.mesh is None else jax.tree.map(
+          lambda x: shd.batch_sharding(self.mesh, S, x.ndim) if x.ndim else NamedSharding(self.mesh, PartitionSpec()),
+          shapes.replace(cache=None)).replace(cache=self.layout.shardings(self.cfg, self.mesh, S))
+      self._states[S] = shapes, sh
+    return self._states[S]
 
   def state_shardings(self, slots: Optional[int] = None) -> slots_lib.SlotState:
     """Slot rows over the mesh's row shards (scalars replicated); the cache as its layout shards it."""
-    S = slots or self.slots
-    shapes = jax.eval_shape(functools.partial(slots_lib.empty, self.cfg, self.layout, S, self.max_prompt_len,
-                                              self.max_new_tokens, self.pad_id))
-    sh = jax.tree.map(lambda x: shd.batch_sharding(self.mesh, S, x.ndim) if x.ndim else
-                      NamedSharding(self.mesh, PartitionSpec()), shapes.replace(cache=None))
-    return sh.replace(cache=self.layout.shardings(self.cfg, self.mesh, S))
+    return self._state(slots or self.slots)[1]
 
   def put(self, x) -> jax.Array:
     """A host input of an admission or extension (prompts, slot ids, keys, ...) on the engine's devices, replicated
@@ -270,10 +258,10 @@ class Sampler:
         st = self.empty(S)
         for _, strategy in uses:
           st = self.decode(params, st, 0, strategy)
-        st = self.cancel(self.recompute(params, st) if self.on_swap == "recompute" else st, jnp.zeros(S, bool))
+        st = self.cancel(self.recompute(params, st) if self.on_swap == "recompute" else st, np.zeros(S, bool))
         for b in self.slot_buckets:
           if b < S:
-            self.gather(st, jnp.arange(b, dtype=jnp.int32))
+            self.gather(st, np.arange(b))
         if S < self.slots:
           self.grow(st)
       if extend:  # multi-turn: extensions run at full size (`Stream` grows back first)
@@ -304,11 +292,13 @@ class Sampler:
   def extend(self, params, st, slot_ids, append, n_append, limits, stop_ids, version):
     return self._extend(self.fused(params), st, slot_ids, append, n_append, limits, stop_ids, np.int32(version))
 
+  # The index and mask arguments are cast to host arrays here: a device array's sharding is part of a program's
+  # key, so the warm-up's and a stream's calls would otherwise compile twice.
   def cancel(self, st, mask):
-    return self._cancel(st, mask)
+    return self._cancel(st, np.asarray(mask, bool))
 
   def gather(self, st, idx):
-    return self.place(self._gather(st, idx))
+    return self.place(self._gather(st, np.asarray(idx, np.int32)))
 
   def grow(self, st):
     """st's rows in the first slots of a full-size state."""
@@ -321,13 +311,9 @@ class Sampler:
 
   def abstract_state(self, slots: Optional[int] = None) -> slots_lib.SlotState:
     """ShapeDtypeStructs (with shardings on a mesh) of the slot state `empty` builds."""
-    S = slots or self.slots
-    shapes = jax.eval_shape(functools.partial(slots_lib.empty, self.cfg, self.layout, S, self.max_prompt_len,
-                                              self.max_new_tokens, self.pad_id))
-    if self.mesh is None:
-      return shapes
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                        self.state_shardings(S))
+    shapes, sh = self._state(slots or self.slots)
+    return shapes if sh is None else jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
+                                                  shapes, sh)
 
   def lower_decode(self, strategy: SamplingMethod, slots: Optional[int] = None) -> jax.stages.Lowered:
     """The decode chunk `Stream.step` runs, lowered on `abstract_state(slots)`."""

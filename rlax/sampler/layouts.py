@@ -304,3 +304,21 @@ class Paged:
     o, kp, vp = local(q, k, v, cache.k, cache.v, cache.page_table, pos, live, jnp.asarray(layer, jnp.int32))
     return o, cache.replace(k=kp, v=vp)
 
+
+ATTENTION = ("auto", "dense", "paged", "paged_interpret")  # Sampler(attention=...)
+
+
+def make_layout(cfg: models.ModelConfig, attention: str, prompt_len: int, new_tokens: int,
+                page_size: Optional[int] = None, platform: Optional[str] = None):
+  """The cache layout `attention` names ("auto": paged on a TPU the kernel compiles for, else dense); platform:
+  the devices' (default: the default backend's); page_size default: `paged.default_page_size`."""
+  if attention not in ATTENTION:
+    raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+  tpu = (platform or jax.default_backend()) == "tpu"
+  if attention == "auto":
+    attention = "paged" if tpu and paged.kernel_supports(cfg) else "dense"
+  if attention == "dense":
+    return Dense(prompt_len, new_tokens)
+  kind = "interpret" if attention == "paged_interpret" else "kernel" if tpu and paged.kernel_supports(cfg) else "reference"
+  max_len = prompt_len + new_tokens
+  return Paged(max_len, page_size or paged.default_page_size(max_len), kind)

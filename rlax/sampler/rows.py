@@ -54,24 +54,26 @@ def concat_outputs(outs: Sequence[SampleOutput]) -> SampleOutput:
   return cat.replace(version=max(o.version for o in outs))
 
 
-@functools.lru_cache(maxsize=64)
-def _base_key(seed: int, step: int) -> jax.Array:
+@functools.lru_cache(maxsize=8)
+def _seed_key(seed: int) -> jax.Array:
   # Outside jit: a Python seed may use all 64 bits.
-  return jax.random.fold_in(jax.random.key(seed), step)
+  return jax.random.key(seed)
 
 
 @jax.jit
-def _fold_rows(base, prompt_ids, sample_ids):
+def _fold_rows(base, step, prompt_ids, sample_ids):
+  base = jax.random.fold_in(base, step)
   return jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(base, p), s))(prompt_ids, sample_ids)
 
 
 def row_keys(seed, step, prompt_ids, sample_ids):
   """key(seed) → fold_in step → fold_in prompt id → fold_in sample index, one key per row.
 
-  One compiled call per row count (a stream submits prompt by prompt; op by op this cost ~5 ms a prompt).
+  One compiled call per row count (a stream submits prompt by prompt; op by op this cost ~5 ms a prompt). The
+  integers are cast on the host: a cast on the device would compile a program per shape mid-run.
   """
-  return _fold_rows(_base_key(int(seed), int(step)), jnp.asarray(prompt_ids, jnp.uint32),
-                    jnp.asarray(sample_ids, jnp.uint32))
+  return _fold_rows(_seed_key(int(seed)), np.uint32(step), np.asarray(prompt_ids, np.uint32),
+                    np.asarray(sample_ids, np.uint32))
 
 
 def uniforms(keys, t):

@@ -24,7 +24,6 @@ import time
 from typing import Callable, Optional, Sequence, Union
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rlax.models import moe
@@ -284,7 +283,7 @@ class Stream:
     b = next((b for b in e.slot_buckets if b >= len(used)), size)
     if e.shrink and len(used) and b < size:
       idx = np.concatenate([used, np.flatnonzero(self.owner < 0)[:b - len(used)]])
-      self.st = e.gather(self.st, jnp.asarray(idx, np.int32))
+      self.st = e.gather(self.st, idx)
       self.owner = self.owner[idx]
 
   def cancel_older(self, version: int) -> list:
@@ -306,7 +305,7 @@ class Stream:
         self.owner[s], mask[s] = -1, True
     self._extensions = [x for x in self._extensions if x[0] in self._rows]
     with self.e.ctx():
-      self.st = self.e.cancel(self.st, jnp.asarray(mask))
+      self.st = self.e.cancel(self.st, mask)
     self.running -= len(stale)
     for g in stale.values():
       g.decoding = 0

@@ -12,6 +12,7 @@ one program per teacher, whatever the split, and a teacher no row names costs no
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -45,6 +46,7 @@ class Teachers:
     self.teachers, self.field, self.pass_rows = dict(teachers), field, pass_rows
     self.mesh = teachers[DEFAULT].mesh
     self.rows: collections.Counter = collections.Counter()  # rows each teacher scored (of real sequences)
+    self.last: dict[str, tuple[int, float]] = {}  # the last batch's (rows, seconds) per teacher that scored it
 
   @property
   def traces(self) -> collections.Counter:
@@ -66,24 +68,32 @@ class Teachers:
 
   def scores(self, batch: RolloutBatch, records: Optional[Sequence[Any]] = None) -> dict:
     """The teachers' fields of a host batch (Teacher.scores), each row's from its own teacher; `records`: the
-    batch's rows' records (needed with several teachers)."""
+    batch's rows' records (needed with several teachers). Each teacher's rows and seconds go to `last`."""
     if len(self.teachers) == 1:
+      t0 = time.perf_counter()
       self.rows[DEFAULT] += batch.batch_size
-      return self.teachers[DEFAULT].scores(batch)
+      out = self.teachers[DEFAULT].scores(batch)
+      self.last = {DEFAULT: (batch.batch_size, time.perf_counter() - t0)}
+      return out
     if records is None or len(records) != batch.batch_size:
       raise ValueError(f"{len(self.teachers)} teachers route rows by record: give the batch's "
                        f"{batch.batch_size} rows' records")
     names = route(records, list(self.teachers), self.field)
     out: dict = {}
+    self.last = {}
     n = call_rows(batch.batch_size, len(self.teachers), self.pass_rows)
     for name, teacher in self.teachers.items():
       rows = np.flatnonzero(names == name)
+      if not rows.size:
+        continue
+      t0 = time.perf_counter()
       self.rows[name] += rows.size
       for i in range(0, rows.size, n):
         got = rows[i:i + n]
         part = teacher.scores(_rows(batch, got, n))
         for k, v in part.items():
           out.setdefault(k, np.zeros((batch.batch_size, *v.shape[1:]), v.dtype))[got] = v[:got.size]
+      self.last[name] = (int(rows.size), time.perf_counter() - t0)
     return {k: out[k] for k in TEACHER_FIELDS if k in out}
 
 

@@ -169,6 +169,7 @@ class SlowTeacher:
   thread it is called from; the `fail_at`-th call raises."""
 
   mesh = "the teacher's own devices"
+  last: dict = {}  # each teacher's (rows, seconds) of the last batch: none named here
 
   def __init__(self, delay, fail_at=-1):
     self.delay, self.fail_at, self.calls = delay, fail_at, []

@@ -100,11 +100,11 @@ def test_cancelled_slots_are_refilled_for_queued_groups(cs):
 def test_no_recompile_in_steady_state(cs):
   # The paged layout keeps its slots (no shrink): one decode program per sampling strategy (a static argument of
   # decode and admit; earlier tests used others), a prefill and an admit per admission bucket (1 or 2 groups).
-  before = dict(cs.trace_counts)
+  before = cs.trace_counts
   cs.generate(PROMPTS, samples_per_prompt=2, strategy=S.Greedy(), max_new_tokens=[3, 8, 1, 2, 5, 5, 6, 7])
-  counts = dict(cs.trace_counts)
-  new = {k: counts[k] - before.get(k, 0) for k in counts}
-  assert new["decode"] <= 1 and new.get("prefill", 0) <= 2 and new["admit"] <= 2, (before, counts)
+  counts = cs.trace_counts
+  new = counts - before
+  assert new["decode"] <= 1 and new["prefill"] <= 2 and new["admit"] <= 2, (before, counts)
   assert "shrink" not in counts and "grow" not in counts
   kw = dict(samples_per_prompt=2, strategy=S.Greedy(), seed=4, weights=(cs.placer(P1), 5))
   cs.generate([[9] * 12, [3], [4, 4]], max_new_tokens=4, **kw)

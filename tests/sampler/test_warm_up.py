@@ -1,8 +1,11 @@
 """Sampler.warm_up compiles every program a stream can call: after it, streams of any group count, any tail
-length and any extension compile nothing (the engine's trace counts stay put)."""
+length and any extension compile nothing (the engine's trace counts stay put); on a mesh too, and a second
+engine of the same programs (a rebuilt sampler) compiles nothing at all."""
 
+import jax
 import numpy as np
 
+from rlax import models as M
 from rlax import sampler as S
 
 from harness.sampling_ref import CFG, P0, PROMPTS
@@ -35,3 +38,24 @@ def test_no_program_traced_after_the_warm_up():
       assert stream.extend(req, ENV[k], max_new_tokens=2)
       turns[g.tag] = k + 1
   assert dict(cs.trace_counts) == before
+
+
+def test_on_a_mesh_the_tails_compile_nothing_and_a_twin_engine_nothing_at_all():
+  """The stream's shrinks and cancels pass host indices: the warm-up's calls are the same programs."""
+  mesh = M.make_mesh(jax.devices()[:4], data=4, fsdp=1, tensor=1)
+  make = lambda: S.Sampler(CFG, mesh, max_prompt_len=8, max_new_tokens=24, slots=16, decode_chunk=3, params=P0)
+  temp = S.Temperature(1.0)
+  cs = make()
+  cs.warm_up(cs.weights_source()()[0], ((2, temp),))
+  before = cs.trace_counts
+  for i, n in enumerate((8, 3, 1)):  # tails of every slot bucket (16, 8, 4)
+    cs.generate((PROMPTS * 2)[:n], samples_per_prompt=2, strategy=temp, seed=i, max_new_tokens=[1, 23] * n)
+  stream = cs.stream(temp)
+  stream.submit(PROMPTS[:4], samples_per_prompt=2, max_new_tokens=20)
+  stream.step()
+  stream.cancel_older(cs.version + 1)  # every running row stops
+  assert cs.trace_counts == before
+  twin = make()
+  twin.warm_up(twin.weights_source()()[0], ((2, temp),))
+  twin.generate(PROMPTS[:3], samples_per_prompt=2, strategy=temp, max_new_tokens=[1, 23] * 3)
+  assert not twin.trace_counts, twin.trace_counts
