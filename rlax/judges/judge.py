@@ -45,7 +45,7 @@ def engine(config: JudgeConfig, model_cfg, mesh, *, slots: int, params=None, eos
   its memory budget)."""
   return Sampler(model_cfg, mesh, max_prompt_len=config.max_prompt_len, max_new_tokens=config.max_new_tokens,
                  slots=slots, eos_id=eos_id, pad_id=pad_id, params=params, on_swap="keep", shrink=False,
-                 admit_factor=4, decode_chunk=min(config.max_new_tokens, 16), **kw)
+                 admit_factor=4, prompt_factor=2, decode_chunk=min(config.max_new_tokens, 16), **kw)
 
 
 class Judge:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 from typing import Callable, Optional, Sequence, Union
 
 import jax
@@ -55,7 +56,10 @@ class Sampler:
   decode_chunk: decode steps between admissions (and weight swaps). on_swap: "recompute" or "keep". shrink:
   once no request waits, decode the running rows on fewer slots (dense layout only: the paged pool is not laid
   out by slot). admit_factor: admissions are padded to 1, f, f^2, ... prompts (a prefill program each: a larger
-  factor compiles fewer of them and pads more). eos_id (int, ints or None) and stop_sequences end a row.
+  factor compiles fewer of them and pads more). prompt_factor: 0, every prefill runs at max_prompt_len; else at
+  the smallest of 32, 32 f, ..., max_prompt_len tokens that holds the admission's longest prompt (a program
+  each, all warmed up; its keys and values padded to max_prompt_len, so one admission program). eos_id (int,
+  ints or None) and stop_sequences end a row.
   weights: the WeightsService streams read by default (its own, made empty; params=... publishes version
   `version` to it).
   """
@@ -65,15 +69,16 @@ class Sampler:
                eos_id: Union[int, Sequence[int], None] = None, pad_id: int = 0, decode_chunk: int = 16,
                on_swap: str = "recompute", shrink: bool = True, memory_budget_bytes: Optional[int] = None,
                params: Optional[models.Params] = None, version: int = 0, attention: str = "auto",
-               page_size: Optional[int] = None, weights: Optional[WeightsService] = None, admit_factor: int = 2):
+               page_size: Optional[int] = None, weights: Optional[WeightsService] = None, admit_factor: int = 2,
+               prompt_factor: int = 0):
     if max_prompt_len < 1 or max_new_tokens < 1:
       raise ValueError(f"max_prompt_len={max_prompt_len} and max_new_tokens={max_new_tokens} must be >= 1")
     if page_size is not None and page_size < 1:
       raise ValueError(f"page_size must be >= 1, got {page_size}")
     if on_swap not in ("recompute", "keep"):
       raise ValueError(f"on_swap must be 'recompute' or 'keep', got {on_swap!r}")
-    if admit_factor < 2:
-      raise ValueError(f"admit_factor must be >= 2, got {admit_factor}")
+    if admit_factor < 2 or prompt_factor not in (0, *range(2, 65)):
+      raise ValueError(f"admit_factor={admit_factor} must be >= 2 and prompt_factor={prompt_factor} 0 or >= 2")
     if decode_chunk < 1:
       raise ValueError(f"decode_chunk must be >= 1, got {decode_chunk}")
     shards = shd.row_shards(mesh, slots) if mesh is not None else 1
@@ -89,9 +94,12 @@ class Sampler:
     platform = self.devices[0].platform
     self.layout = layouts.make_layout(cfg, attention, max_prompt_len, max_new_tokens, page_size, platform)
     self.paged = isinstance(self.layout, layouts.Paged)
-    self.attention = "dense" if not self.paged else "paged_interpret" if self.layout.attention == "interpret" else "paged"
+    self.attention = ("dense" if not self.paged else "paged_interpret" if self.layout.attention == "interpret"
+                      else "paged")
     self.decode_chunk, self.on_swap, self.shrink = decode_chunk, on_swap, shrink and not self.paged
     self.admit_factor = admit_factor
+    self.prompt_buckets = (prompts_lib.pow_buckets(32, max_prompt_len, prompt_factor) if prompt_factor
+                           else (max_prompt_len,))
     self.memory = sizing.sampler_memory(cfg, self.layout, slots, max_prompt_len + max_new_tokens, mesh)
     self.memory["budget"] = sizing.budget_or_default(memory_budget_bytes, self.devices)
     sizing.check({k: v for k, v in self.memory.items() if k != "budget"}, self.memory["budget"], slots,
@@ -138,8 +146,8 @@ class Sampler:
     over 'tensor', as the rules table allows): the admission's inputs are then the same at lowering and at run."""
     if groups not in self._prefills:
       out = None if self.mesh is None else self._prefill_shardings(groups)
-      self._prefills[groups] = self._jit("prefill", functools.partial(slots_lib.prefill, cfg=self.cfg),
-                                         out_shardings=out)
+      self._prefills[groups] = self._jit("prefill", functools.partial(
+          slots_lib.prefill, cfg=self.cfg, pad_to=self.max_prompt_len), out_shardings=out)
     return self._prefills[groups]
 
   def _prefill_shardings(self, groups: int) -> tuple:
@@ -224,9 +232,12 @@ class Sampler:
     """Prefills `prompts` [q, P] (host) and admits their G rows each into `slot_ids` [q G] (>= S: padding), rows
     drawing with key data `keys` [q G, ...] up to `limits` [q G] tokens: the admission `Stream` runs."""
     G = len(slot_ids) // len(prompts)
-    toks, n_prompt = self.put(np.asarray(prompts, np.int32)), self.put(np.asarray(n_prompt, np.int32))
+    prompts, n_prompt = np.asarray(prompts, np.int32), np.asarray(n_prompt, np.int32)
+    P = prompts_lib.bucket(max(1, int(n_prompt.max())), self.prompt_buckets)  # the prefill's width
+    toks, n_prompt = self.put(prompts), self.put(n_prompt)
     which = self.put(np.repeat(np.arange(len(prompts)), G).astype(np.int32))
-    return self.admit(st, self.prefill(params, toks, n_prompt), toks, n_prompt, self.put(np.asarray(slot_ids, np.int32)),
+    prefilled = self.prefill(params, self.put(prompts[:, :P]), n_prompt)
+    return self.admit(st, prefilled, toks, n_prompt, self.put(np.asarray(slot_ids, np.int32)),
                       which, jax.random.wrap_key_data(self.put(keys)), self.put(np.asarray(limits, np.int32)),
                       np.int32(version), strategy)
 
@@ -269,12 +280,11 @@ class Sampler:
         for A in A_b:
           for M in M_b:
             st = self.extension(params, self.empty(), [self.slots] * A, [[0] * M] * A, [1] * A, [[]] * A, 0)
-      for G, strategy in uses:
-        for q in self.group_buckets(G):
-          st = self.empty()
-          st = self.admission(params, st, np.zeros((q, self.max_prompt_len), np.int32), np.ones(q, np.int32),
-                              np.full(q * G, self.slots, np.int32), np.stack([key] * (q * G)),
-                              np.ones(q * G, np.int32), 0, strategy)
+      for G, strategy in uses:  # every admission size at every prompt width
+        for q, P in itertools.product(self.group_buckets(G), self.prompt_buckets):
+          st = self.admission(params, self.empty(), np.zeros((q, self.max_prompt_len), np.int32),
+                              np.full(q, P, np.int32), np.full(q * G, self.slots, np.int32),
+                              np.stack([key] * (q * G)), np.ones(q * G, np.int32), 0, strategy)
       jax.block_until_ready(st)
 
   def group_buckets(self, samples: int) -> tuple[int, ...]:

@@ -319,6 +319,7 @@ def make_layout(cfg: models.ModelConfig, attention: str, prompt_len: int, new_to
     attention = "paged" if tpu and paged.kernel_supports(cfg) else "dense"
   if attention == "dense":
     return Dense(prompt_len, new_tokens)
-  kind = "interpret" if attention == "paged_interpret" else "kernel" if tpu and paged.kernel_supports(cfg) else "reference"
+  kind = ("interpret" if attention == "paged_interpret" else "kernel" if tpu and paged.kernel_supports(cfg)
+          else "reference")
   max_len = prompt_len + new_tokens
   return Paged(max_len, page_size or paged.default_page_size(max_len), kind)

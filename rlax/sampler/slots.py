@@ -100,12 +100,14 @@ def _no_routes_like(routes, rows: int):
   return jnp.full((rows, *routes.shape[1:]), moe.NO_ROUTE, routes.dtype)
 
 
-def prefill(fused, prompt, n_prompt, *, cfg: models.ModelConfig):
-  """Distinct prompts [Q, P] (right-padded, n_prompt [Q] tokens each) → (keys, values [L, Q, P, K, Dh], logits
-  after the last prompt token [Q, V], the prompt tokens' experts [L, Q, P, k] or None: `moe.replayed_routes`)."""
+def prefill(fused, prompt, n_prompt, *, cfg: models.ModelConfig, pad_to: int):
+  """Distinct prompts [Q, P] (right-padded, n_prompt [Q] tokens each) → (keys, values [L, Q, pad_to, K, Dh],
+  logits after the last prompt token [Q, V], the prompt tokens' experts [L, Q, pad_to, k] or None:
+  `moe.replayed_routes`); positions past P are zeros (past n_prompt, never read)."""
   zero = jnp.zeros_like(n_prompt)
   logits, k, v, routes = step_lib.forward(fused, cfg, prompt, zero, n_prompt)
-  return k, v, logits, None if moe.replayed_routes(cfg) is None else moe.as_routes(routes)
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, pad_to - x.shape[2])] + [(0, 0)] * (x.ndim - 3))
+  return pad(k), pad(v), logits, None if moe.replayed_routes(cfg) is None else pad(moe.as_routes(routes))
 
 
 def admit(st: SlotState, k, v, logits, routes, prompt, n_prompt, slot_ids, which, keys, limits, version, *,

@@ -59,3 +59,20 @@ def test_on_a_mesh_the_tails_compile_nothing_and_a_twin_engine_nothing_at_all():
   twin.warm_up(twin.weights_source()()[0], ((2, temp),))
   twin.generate(PROMPTS[:3], samples_per_prompt=2, strategy=temp, max_new_tokens=[1, 23] * 3)
   assert not twin.trace_counts, twin.trace_counts
+
+
+def test_prompt_buckets_prefill_short_prompts_narrow_and_sample_the_same():
+  """prompt_factor=2 with max_prompt_len=80: prefills of 32, 64 or 80 tokens, all warmed up; the rows drawn equal
+  those of the engine that prefills every prompt at 80 (greedy tokens; log-probs to float error)."""
+  make = lambda f: S.Sampler(CFG, max_prompt_len=80, max_new_tokens=6, slots=8, decode_chunk=3, params=P0,
+                             prompt_factor=f)
+  wide, narrow = make(0), make(2)
+  assert wide.prompt_buckets == (80,) and narrow.prompt_buckets == (32, 64, 80)
+  greedy = S.Greedy()
+  narrow.warm_up(narrow.weights_source()()[0], ((2, greedy),))
+  before = narrow.trace_counts
+  prompts = PROMPTS + [list(range(1, 50)), list(range(3, 80))]  # widths 32, 64 and 80
+  a, b = (e.generate(prompts, samples_per_prompt=2, strategy=greedy) for e in (wide, narrow))
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-5)
+  assert narrow.trace_counts == before

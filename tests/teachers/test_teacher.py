@@ -289,3 +289,8 @@ def test_the_forward_kl_loss_and_gradient_are_the_exact_expressions(tmp_path):
   np.testing.assert_allclose(metrics["forward_kl_sum"] / np.sum(lm) * 0.7, want, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g1, g2)
   assert float(want) > 0
+  plain = algorithms.get_algorithm("distill", distill_coef=0.5)  # no term, no metric
+  x = loss_inputs(plain, jax.tree.map(jnp.asarray, batch), 1)
+  _, metrics = rl_loss(params, cfg, plain, x, num_tokens=jnp.sum(x.loss_mask), num_seqs=B, num_rows=B,
+                       layout=layouts.of(batch))
+  assert "forward_kl_sum" not in metrics
