@@ -78,7 +78,7 @@ class Sampler:
     if on_swap not in ("recompute", "keep"):
       raise ValueError(f"on_swap must be 'recompute' or 'keep', got {on_swap!r}")
     if admit_factor < 2 or prompt_factor not in (0, *range(2, 65)):
-      raise ValueError(f"admit_factor={admit_factor} must be >= 2 and prompt_factor={prompt_factor} 0 or >= 2")
+      raise ValueError(f"admit_factor={admit_factor} must be >= 2 and prompt_factor={prompt_factor} 0 or 2..64")
     if decode_chunk < 1:
       raise ValueError(f"decode_chunk must be >= 1, got {decode_chunk}")
     shards = shd.row_shards(mesh, slots) if mesh is not None else 1
@@ -221,8 +221,8 @@ class Sampler:
     return st if self.mesh is None else jax.device_put(st, self.state_shardings(st.t.shape[0]))
 
   def prefill(self, params, prompt, n_prompt):
-    """Distinct prompts [Q, P] (right-padded) → keys, values [L, Q, P, K, Dh], next-token logits [Q, V], the
-    prompts' experts [L, Q, P, k] (None unless the model replays routes)."""
+    """Distinct prompts [Q, P <= max_prompt_len] (right-padded) → keys, values [L, Q, max_prompt_len, K, Dh],
+    next-token logits [Q, V], the prompts' experts [L, Q, max_prompt_len, k] (None unless routes are replayed)."""
     return self._prefill(prompt.shape[0])(self.fused(params), prompt, n_prompt)
 
   def admit(self, st, prefilled, prompt, n_prompt, slot_ids, which, keys, limits, version, strategy):

@@ -6,12 +6,14 @@
 A sampler rebuilt on the same devices (after a failover that kept its slice, an evaluation engine beside the
 rollout one, a restarted run in the same process) finds its programs traced and compiled already: jit's own cache
 keys each call by shapes, shardings and the ambient mesh, so sharing the jit object is exact. `traces` counts the
-program's traces (i.e. compiles) for every engine that shares it; an engine reports its own since it was built
-(Sampler.trace_counts). A program whose arguments cannot be hashed is not shared. Caller: Sampler._jit.
+program's traces for every engine that shares it (Sampler.trace_counts: those since the engine was built, by
+whichever engine). A program whose arguments cannot be hashed is not shared. The newest `_MAX` are kept.
+Callers: Sampler._jit, Sampler.empty.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 from typing import Callable
@@ -19,7 +21,8 @@ from typing import Callable
 import jax
 
 _lock = threading.Lock()
-_programs: dict = {}  # key -> (jitted, [traces])
+_programs: collections.OrderedDict = collections.OrderedDict()  # key -> (jitted, [traces]), least recent first
+_MAX = 512  # programs kept: a few engines' worth (an engine has 10-40); the least recently made goes first
 
 
 def _identity(fn) -> object:
@@ -50,4 +53,7 @@ def get(name: str, fn: Callable, *, static=(), donate=(), out_shardings=None) ->
   with _lock:
     if key not in _programs:
       _programs[key] = _build(name, fn, static, donate, out_shardings)
+      while len(_programs) > _MAX:  # a dropped program's compiled code goes with its last engine
+        _programs.popitem(last=False)
+    _programs.move_to_end(key)
     return _programs[key]

@@ -69,11 +69,13 @@ def _fold_rows(base, step, prompt_ids, sample_ids):
 def row_keys(seed, step, prompt_ids, sample_ids):
   """key(seed) → fold_in step → fold_in prompt id → fold_in sample index, one key per row.
 
-  One compiled call per row count (a stream submits prompt by prompt; op by op this cost ~5 ms a prompt). The
-  integers are cast on the host: a cast on the device would compile a program per shape mid-run.
+  One compiled call (op by op this cost ~5 ms a prompt) per power of two of rows at least 8 (the rows are padded:
+  a judge's or an evaluation's row count varies), integers cast on the host (a device cast compiles per shape).
   """
-  return _fold_rows(_seed_key(int(seed)), np.uint32(step), np.asarray(prompt_ids, np.uint32),
-                    np.asarray(sample_ids, np.uint32))
+  p, s = np.asarray(prompt_ids, np.uint32).ravel(), np.asarray(sample_ids, np.uint32).ravel()
+  n = max(8, 1 << max(0, len(p) - 1).bit_length())
+  keys = _fold_rows(_seed_key(int(seed)), np.uint32(step), np.resize(p, n), np.resize(s, n))
+  return keys[:len(p)]
 
 
 def uniforms(keys, t):

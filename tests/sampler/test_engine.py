@@ -112,7 +112,7 @@ def test_stop_conditions_and_early_exit():
 def test_no_recompile_in_steady_state():
   # Compiles: a decode program per slot bucket (4, 2, 1: the tail shrinks), and a prefill + admission
   # program per admission bucket (1 or 2 groups).
-  cs = make(slots=4)
+  cs = make(slots=4, max_new_tokens=9)  # not the module fixture's programs: its own traces are counted
 
   def calls(version):
     cs.generate(PROMPTS, samples_per_prompt=2, strategy=S.Greedy(), max_new_tokens=[3, 8, 1, 2, 5, 5, 6, 7])
@@ -204,7 +204,7 @@ def test_lowerings_are_the_programs_a_stream_runs():
   """abstract_state / lower_admit / lower_decode / lower_fuse trace exactly what generate runs: it then traces
   nothing new."""
   mesh = M.make_mesh(jax.devices()[:4], data=2, fsdp=1, tensor=2)
-  sm = make(mesh=mesh, slots=8)
+  sm = make(mesh=mesh, slots=8, max_new_tokens=7)  # programs no other engine of this process runs (but `fuse`)
   empty = sm.empty()
   for a, x in zip(jax.tree.leaves(sm.abstract_state()), jax.tree.leaves(empty)):
     assert (a.shape, a.dtype, a.sharding) == (x.shape, x.dtype, x.sharding)
@@ -213,8 +213,8 @@ def test_lowerings_are_the_programs_a_stream_runs():
   lowered["prefill"].compile(), lowered["admit"].compile()
   sm.lower_decode(strategy).compile()
   sm.lower_fuse().compile()
-  programs = dict(sm.trace_counts)  # each traced once (none where an engine before this one traced it)
-  assert set(programs) <= {"fuse", "prefill", "admit", "decode"} and set(programs.values()) <= {1}
+  programs = dict(sm.trace_counts)  # each traced once (`fuse` is shared with the submesh test's engine)
+  assert {"prefill": 1, "admit": 1, "decode": 1}.items() <= programs.items() <= {**programs, "fuse": 1}.items()
   sm.generate(PROMPTS, samples_per_prompt=2, strategy=strategy)
   assert dict(sm.trace_counts) == programs
 

@@ -7,6 +7,7 @@ import numpy as np
 
 from rlax import models as M
 from rlax import sampler as S
+from rlax.run.compiles import CompileCounter
 
 from harness.sampling_ref import CFG, P0, PROMPTS
 
@@ -55,10 +56,11 @@ def test_on_a_mesh_the_tails_compile_nothing_and_a_twin_engine_nothing_at_all():
   stream.step()
   stream.cancel_older(cs.version + 1)  # every running row stops
   assert cs.trace_counts == before
+  compiles = CompileCounter()  # JAX's own compile events, whichever program
   twin = make()
   twin.warm_up(twin.weights_source()()[0], ((2, temp),))
   twin.generate(PROMPTS[:3], samples_per_prompt=2, strategy=temp, max_new_tokens=[1, 23] * 3)
-  assert not twin.trace_counts, twin.trace_counts
+  assert not twin.trace_counts and compiles.delta()[0] == 0, (twin.trace_counts, compiles.names())
 
 
 def test_prompt_buckets_prefill_short_prompts_narrow_and_sample_the_same():
