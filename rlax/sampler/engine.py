@@ -138,7 +138,8 @@ class Sampler:
 
   @property
   def trace_counts(self) -> collections.Counter:
-    """Programs traced (i.e. compiled) since this engine was built, by name: the warm-up's, then nothing."""
+    """Traces since this engine was built of the programs it runs, by name (by any engine sharing them:
+    rlax.sampler.programs): the warm-up's, then nothing."""
     return +sum((collections.Counter({n: t[0] - t0}) for n, t, t0 in self._traces.values()), collections.Counter())
 
   def _prefill(self, groups: int):

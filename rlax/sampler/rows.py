@@ -66,16 +66,18 @@ def _fold_rows(base, step, prompt_ids, sample_ids):
   return jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(base, p), s))(prompt_ids, sample_ids)
 
 
-def row_keys(seed, step, prompt_ids, sample_ids):
-  """key(seed) → fold_in step → fold_in prompt id → fold_in sample index, one key per row.
+def row_key_data(seed, step, prompt_ids, sample_ids) -> np.ndarray:
+  """key(seed) → fold_in step → fold_in prompt id → fold_in sample index: one key per row, as its key data on the
+  host (`jax.random.wrap_key_data` makes keys of it).
 
   One compiled call (op by op this cost ~5 ms a prompt) per power of two of rows at least 8 (the rows are padded:
-  a judge's or an evaluation's row count varies), integers cast on the host (a device cast compiles per shape).
+  a judge's or an evaluation's row count varies); integers cast and the padding cut on the host (on the device
+  each would compile a program per row count).
   """
   p, s = np.asarray(prompt_ids, np.uint32).ravel(), np.asarray(sample_ids, np.uint32).ravel()
   n = max(8, 1 << max(0, len(p) - 1).bit_length())
   keys = _fold_rows(_seed_key(int(seed)), np.uint32(step), np.resize(p, n), np.resize(s, n))
-  return keys[:len(p)]
+  return np.asarray(jax.random.key_data(keys))[:len(p)]
 
 
 def uniforms(keys, t):

@@ -123,7 +123,7 @@ class Stream:
       raise ValueError(f"generate: max_new_tokens must lie in [1, {N}] (the engine's budget), got "
                        f"{limits.min()}..{limits.max()}")
     samples = np.tile(first_sample + np.arange(G), n)
-    keys = np.asarray(jax.random.key_data(rows_lib.row_keys(seed, step, np.repeat(ids, G), samples)))
+    keys = rows_lib.row_key_data(seed, step, np.repeat(ids, G), samples)
     keys = keys.reshape(n, G, *keys.shape[1:])
     for i in range(n):
       self.queue.append(_Group(tags[i], toks[i], len(rows[i]), int(ids[i]), keys[i], limits[i].copy(), hold))

@@ -36,8 +36,7 @@ def reference(params_at, prompts, n_new, strategy, *, seed=0, step=0, prompt_ids
   """
   ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
   rows = [(list(p), i, g) for p, i in zip(prompts, ids) for g in range(G)]
-  keys = rows_lib.row_keys(seed, step, jnp.asarray([r[1] for r in rows], jnp.uint32),
-                       jnp.asarray([r[2] for r in rows], jnp.uint32))
+  keys = jax.random.wrap_key_data(rows_lib.row_key_data(seed, step, [r[1] for r in rows], [r[2] for r in rows]))
   T = max(len(r[0]) for r in rows) + n_new
   seqs = [r[0][:] for r in rows]
   toks, lps = np.zeros((len(rows), n_new), np.int64), np.zeros((len(rows), n_new))

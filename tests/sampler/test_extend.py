@@ -67,7 +67,7 @@ def check_episode(out, prompt, turns, first, then, params_of, seed, pid, strateg
     at += then
   np.testing.assert_array_equal(smp[:n], want)
   assert np.all(lps[:n][~want] == 0)
-  key = rows_lib.row_keys(seed, 0, [pid], [0])
+  key = jax.random.wrap_key_data(rows_lib.row_key_data(seed, 0, [pid], [0]))
   seq = jnp.asarray([list(prompt) + toks[:n].tolist()], jnp.int32)
   full = {}  # version → causal full-forward logits of the whole episode: position p sees tokens up to p only
   for j in np.flatnonzero(want):  # each sampled token: its own index's uniform over the full-forward logits

@@ -78,3 +78,18 @@ def test_prompt_buckets_prefill_short_prompts_narrow_and_sample_the_same():
   np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
   np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-5)
   assert narrow.trace_counts == before
+
+
+def test_row_keys_of_any_row_count_within_a_power_of_two_compile_once():
+  """The rows are padded on the host and the padding cut there: 1..8 rows are one program, each row's key the
+  reference fold_in chain."""
+  from rlax.sampler import rows as rows_lib
+  rows_lib.row_key_data(3, 2, [0], [0])
+  compiles = CompileCounter()
+  got = [rows_lib.row_key_data(3, 2, np.arange(n) * 5, np.arange(n) % 2) for n in range(1, 9)]
+  assert compiles.delta()[0] == 0, compiles.names()
+  base = jax.random.fold_in(jax.random.key(3), 2)
+  want = [np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.fold_in(base, 5 * i), i % 2)))
+          for i in range(8)]
+  for n, keys in enumerate(got, 1):
+    np.testing.assert_array_equal(keys, np.stack(want[:n]))
