@@ -46,7 +46,9 @@ def main(argv):
     logging.info("Pathways initialized")
   import jax
   from rlax.checkpoint import CheckpointError
+  from rlax.run import release_after_compiles
   from rlax.runtime import Controller, NonFiniteError
+  release_after_compiles()
   if not flags.FLAGS["verbosity"].present:  # one-time facts; per-step details at --verbosity=1
     logging.set_verbosity(logging.INFO)
   quiet_library_logs()

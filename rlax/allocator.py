@@ -76,7 +76,8 @@ def using_tcmalloc() -> bool:
 def release_free_memory() -> None:
   """Hands the allocator's free pages back to the OS. Compiling and host-side batches leave gigabytes free
   but held in glibc's arenas (malloc_trim returned 1.45 of 3.9 GB after the SmolLM2 run's warm-up); the
-  runtime calls this after compiling ahead and after each step (~0.2 s). tcmalloc: ReleaseFreeMemory."""
+  runtime calls this after the sampler's warm-up and after each step (~0.2 s), and under launch.main after
+  compiles (`rlax.run.release_after_compiles`). tcmalloc: ReleaseFreeMemory."""
   try:
     if using_tcmalloc():
       ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory()

@@ -1,5 +1,5 @@
 """rlax.allocator: entry points re-execute under tcmalloc when it is installed, never otherwise; glibc is held to
-a few arenas."""
+a few arenas; free memory is released after compiles when asked (rlax.run.release_after_compiles)."""
 
 import os
 import subprocess
@@ -83,3 +83,25 @@ def test_a_limit_under_what_a_run_needs_is_warned_before_it_compiles(monkeypatch
   assert not said
   allocator.check_memory_maps("building the sampler", need=limit + 1)
   assert len(said) == 1 and f"sysctl -w vm.max_map_count={4 * limit})" in said[0]
+
+
+def test_free_memory_is_released_after_compiles_at_most_once_per_gap(monkeypatch):
+  import jax
+  import numpy as np
+  from rlax.run import compiles
+  calls = []
+  monkeypatch.setattr(allocator, "release_free_memory", lambda: calls.append(1))
+  fresh = lambda k: jax.jit(lambda x: x * k + 1.0)(np.ones(3 + k, np.float32))  # one new program each
+  n0 = compiles.CompileCounter.total()[0]
+  try:
+    compiles.release_after_compiles(0.0)
+    fresh(1), fresh(2)
+    assert len(calls) == compiles.CompileCounter.total()[0] - n0 >= 2  # one release per compile
+    compiles.release_after_compiles(3600.0)
+    n = len(calls)
+    fresh(3), fresh(4)
+    assert len(calls) == n  # the last release was under an hour ago
+  finally:
+    compiles.release_after_compiles(None)
+  fresh(5)
+  assert len(calls) == n
