@@ -34,6 +34,14 @@ import pytest  # noqa: E402
 from rlax import allocator  # noqa: E402
 
 
+@pytest.fixture
+def own_devices_env() -> dict:
+  """The environment for a job whose processes set their own CPU device count: the suite's XLA flags without
+  the device count (the rest keep them compiling as this process does, so results compare bit for bit)."""
+  flags = [f for f in os.environ["XLA_FLAGS"].split() if "xla_force_host_platform_device_count" not in f]
+  return {**os.environ, "XLA_FLAGS": " ".join(flags)}
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
   """A worker keeps every module's compiled programs; XLA:CPU maps three pages per kernel, and a process past

@@ -83,11 +83,10 @@ def test_push_rejects_unequal_or_overlapping_meshes():
     multihost.CrossMeshPush(topo.trainer_mesh, topo.sampler_mesh, M.param_shardings(cfg, topo.sampler_mesh))
 
 
-def _run_job(tmp_path, worker_args, max_restarts=0, timeout=240):
+def _run_job(tmp_path, env, worker_args, max_restarts=0, timeout=240):
   cmd = [sys.executable, "-m", "launch.multihost", "--num_processes=2", f"--max_restarts={max_restarts}",
          f"--process_logs={tmp_path}/logs", f"--pid_file={tmp_path}/pids.json", "--",
          sys.executable, WORKER, *worker_args]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each worker sets its own 4 devices
   return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -107,14 +106,14 @@ def _progress(tmp_path, pid):
     return 0
 
 
-def test_two_processes_survive_a_kill_and_match_single_process_bit_for_bit(tmp_path):
+def test_two_processes_survive_a_kill_and_match_single_process_bit_for_bit(tmp_path, own_devices_env):
   """2 processes x 4 CPU devices: 12 updates + pushes; process 1 is killed after 3; the supervisor restarts
   the job, which resumes from process 0's checkpoint; the sampler's final weights equal, bit for bit,
   the same 12 updates + push run in this one process."""
   steps = 12
   out = tmp_path / "w.npz"
-  job = _run_job(tmp_path, ["--mode=steps", f"--steps={steps}", "--step_s=0.3", f"--workdir={tmp_path}/job",
-                            f"--out={out}"], max_restarts=2)
+  job = _run_job(tmp_path, own_devices_env, ["--mode=steps", f"--steps={steps}", "--step_s=0.3",
+                                             f"--workdir={tmp_path}/job", f"--out={out}"], max_restarts=2)
   _wait_for(lambda: _progress(tmp_path, 1) >= 3, 200, "3 steps of the first attempt")
   victim = json.loads((tmp_path / "pids.json").read_text())["pids"][1]
   os.kill(victim, signal.SIGKILL)  # the sampler process dies mid-run

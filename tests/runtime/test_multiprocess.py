@@ -43,15 +43,14 @@ def _checkpoints(workdir):
 
 # The trainer's process is killed (a lost sampler process is tests/test_multihost.py's, under the same supervisor).
 @pytest.mark.parametrize("victim", [0])
-def test_two_process_run_survives_a_kill_and_equals_one_process(tmp_path, reference, victim):
+def test_two_process_run_survives_a_kill_and_equals_one_process(tmp_path, reference, victim, own_devices_env):
   workdir = tmp_path / "run"
   over = [f"--config.{k}={v}" for k, v in OVER.items()]
   cmd = [sys.executable, "-m", "launch.multihost", "--num_processes=2", "--max_restarts=2",
          f"--process_logs={tmp_path}/logs", f"--pid_file={tmp_path}/pids.json", "--",
          sys.executable, "-m", "launch.main", "--cpu_devices=4", "--progress=false", "--config=configs/demo.py:tiny",
          f"--config.workdir={workdir}", *over]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each process sets its own 4 devices
-  job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  job = subprocess.Popen(cmd, cwd=ROOT, env=own_devices_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
   # Kill once a checkpoint is finalized (an async save still in flight would leave nothing to resume from).
   while ((_steps_done(workdir) < 3 or not _checkpoints(workdir)) and job.poll() is None
@@ -70,7 +69,7 @@ def test_two_process_run_survives_a_kill_and_equals_one_process(tmp_path, refere
   assert summary["params_sha256"] == reference["params_sha256"]
 
 
-def test_two_process_packed_update_equals_one_process_padded(tmp_path):
+def test_two_process_packed_update_equals_one_process_padded(tmp_path, own_devices_env):
   """The trainer's packed rows (the default) in a 2-process job: the first update's metrics and parameters
   equal the padded rows' of a 1-process run (f32; AdamW's ~lr * sign(g) step compared at 1e-3 of lr)."""
   from safetensors.numpy import load_file
@@ -80,8 +79,7 @@ def test_two_process_packed_update_equals_one_process_padded(tmp_path):
   cmd = [sys.executable, "-m", "launch.multihost", "--num_processes=2", f"--process_logs={tmp_path}/logs", "--",
          sys.executable, "-m", "launch.main", "--cpu_devices=4", "--progress=false", "--config=configs/demo.py:tiny",
          f"--config.workdir={workdir}", *[f"--config.{k}={v}" for k, v in over.items()]]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+  job = subprocess.run(cmd, cwd=ROOT, env=own_devices_env, capture_output=True, text=True, timeout=400)
   assert job.returncode == 0, job.stderr[-3000:]
   rows = [json.loads((w / "logs" / "metrics.jsonl").read_text().splitlines()[0])
           for w in (tmp_path / "padded", workdir)]
