@@ -12,6 +12,7 @@ import pytest
 from configs import base
 from rlax import algorithms
 from rlax import config as config_lib
+from rlax import pysource
 from rlax.models.lora import LoraConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -129,22 +130,12 @@ def _modules() -> dict[str, pathlib.Path]:
   return out
 
 
-def _parse(source: str) -> ast.Module:
-  """ast.parse, tried again once: Python 3.11 keeps the AST recursion depth per interpreter, so a worker thread
-  formatting a traceback (its caret lines parse source) while this one parses raises "AST constructor recursion
-  depth mismatch" (seen once in the suite, beside an orbax save's failing threads)."""
-  try:
-    return ast.parse(source)
-  except SystemError:
-    return ast.parse(source)
-
-
 def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
   """The rlax modules `name` imports, with the packages whose __init__ each import runs (not its own: they are
   already loading). Imports inside functions count too: the circle through rlax.envs.base was one."""
   pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
   targets = set()
-  for node in ast.walk(_parse(path.read_text())):
+  for node in ast.walk(pysource.parse(path.read_text())):
     if isinstance(node, ast.Import):
       targets.update(a.name for a in node.names)
     elif isinstance(node, ast.ImportFrom):

@@ -13,6 +13,8 @@ import ast
 import fractions
 import operator
 
+from rlax import pysource
+
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv}
 _MAX_LEN = 512
@@ -52,7 +54,7 @@ def evaluate(text: str) -> tuple[fractions.Fraction, list[int]]:
   if not text or len(text) > _MAX_LEN:
     raise ExprError(f"expression empty or longer than {_MAX_LEN} characters")
   try:
-    tree = ast.parse(text, mode="eval")
+    tree = pysource.parse(text, mode="eval")
   except SyntaxError as e:
     raise ExprError(f"not an expression: {e.msg}") from e
   literals: list[int] = []

@@ -31,6 +31,7 @@ from typing import Callable, Optional, Sequence
 
 from absl import logging
 
+from rlax import pysource
 from rlax.envs.renderers import ToolCall
 from rlax.rewards import pool, processes
 from rlax.rewards import sandbox
@@ -235,7 +236,7 @@ def calculator(expression: str) -> str:
   """Evaluates an arithmetic expression of numbers with + - * / // % ** and parentheses.
 
   Runs in a verifier process: a huge power (9**9**9**9) runs into the call's deadline or memory cap there."""
-  value = _eval(ast.parse(expression.replace("×", "*").replace("x", "*"), mode="eval"))
+  value = _eval(pysource.parse(expression.replace("×", "*").replace("x", "*"), mode="eval"))
   if isinstance(value, float) and value.is_integer():
     value = int(value)
   return str(value)

@@ -28,6 +28,7 @@ import dataclasses
 import importlib
 from typing import Optional, Sequence
 
+from rlax import pysource
 from rlax.rewards import code_values
 from rlax.rewards import sandbox
 
@@ -147,7 +148,7 @@ def _imports(node) -> list[tuple[str, str, str, bool]]:
 def plan(test: str) -> ast.Module:
   """The parsed test; ValueError when it does not parse or has no assert."""
   try:
-    tree = ast.parse(test)
+    tree = pysource.parse(test)
   except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
     raise ValueError(f"test {test[:80]!r} is not valid Python: {getattr(e, 'msg', e)}") from None
   if not any(isinstance(n, ast.Assert) for n in ast.walk(tree)):

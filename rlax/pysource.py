@@ -1,0 +1,21 @@
+"""Parsing Python source (expressions the policy writes, tests, tool arguments) in a threaded process.
+
+Python 3.11 keeps the AST constructor's recursion depth per interpreter, not per thread: a thread formatting a
+traceback (its caret lines parse source) while another parses makes one of them raise SystemError("AST
+constructor recursion depth mismatch"). The input is fine, so it is parsed again; callers: rlax.data.expr,
+rlax.rewards.code_tests, rlax.envs.tools, and the tests that read rlax's own source.
+"""
+
+from __future__ import annotations
+
+import ast
+
+
+def parse(source: str, mode: str = "exec") -> ast.AST:
+  """`ast.parse(source, mode=mode)`, tried up to 3 times on the interpreter-wide depth race (SystemError)."""
+  for _ in range(2):
+    try:
+      return ast.parse(source, mode=mode)
+    except SystemError:
+      pass
+  return ast.parse(source, mode=mode)
