@@ -14,9 +14,10 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+DEVICES = 8  # fake CPU devices: this process's (jax_num_cpu_devices) and, through XLA_FLAGS, its subprocesses'
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+  os.environ["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={DEVICES}"
 # Tiny models: compiling, not running, is the suite's time. Without LLVM's optimizations, compile-heavy tests took
 # 0.82x as long from a cold cache and the 150-step learning test 0.88x (2026-12-07).
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
@@ -24,7 +25,7 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_num_cpu_devices", DEVICES)
 jax.config.update("jax_platforms", "cpu")
 
 import gc  # noqa: E402
