@@ -16,6 +16,7 @@ def parse(source: str, mode: str = "exec") -> ast.AST:
   for _ in range(2):
     try:
       return ast.parse(source, mode=mode)
-    except SystemError:
-      pass
+    except SystemError as e:
+      if "recursion depth mismatch" not in str(e):
+        raise
   return ast.parse(source, mode=mode)

@@ -14,7 +14,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-DEVICES = 8  # fake CPU devices: this process's (jax_num_cpu_devices) and, through XLA_FLAGS, its subprocesses'
+DEVICES = 8  # fake CPU devices: this process's and, unless XLA_FLAGS sets a count, its subprocesses'
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={DEVICES}"

@@ -28,8 +28,17 @@ def test_the_race_is_parsed_again_and_the_answer_graded(monkeypatch):
 
 
 def test_a_persistent_system_error_and_bad_syntax_still_raise(monkeypatch):
+  calls = _racing(monkeypatch, failures=0)
   with pytest.raises(SyntaxError):
     pysource.parse("1 +", mode="eval")
+  assert len(calls) == 1  # a real syntax error is not parsed again
+  monkeypatch.undo()
   _racing(monkeypatch, failures=3)
   with pytest.raises(SystemError):
     pysource.parse("1", mode="eval")
+
+
+def test_every_unparsable_answer_is_an_expression_error():
+  for text in ("1 +", "1\x00 + 2", "(" * 255 + "1" + ")" * 255):  # NUL; past the parser's nesting limit
+    with pytest.raises(expr.ExprError):
+      expr.evaluate(text)
