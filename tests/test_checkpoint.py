@@ -68,12 +68,9 @@ def mesh8():
 def test_async_round_trip_and_meta(tmp_path, mesh8):
   state = _state(mesh8, seed=3)
   with ck.Checkpointer(tmp_path, keep=2) as c:
-    t0 = time.perf_counter()
     assert c.save(5, state, _meta(5), force=True)
-    started = time.perf_counter() - t0
     c.wait()
     step, restored, meta = c.restore_latest(_target(state, mesh8))
-  assert started < 5.0  # async: the call returns before the write; generous bound for a noisy box
   assert step == 5 and _equal(restored, state)
   assert meta["data"]["index"] == 35 and meta["config"]["model"]["d_model"] == 16
   assert meta["rollouts"]["pending_prompt_ids"] == [3, 5]
