@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import ast
 
+# What a failed parse of untrusted source raises (ValueError: NUL, on older Pythons); callers turn these into their
+# own error: rlax.data.expr.evaluate, rlax.rewards.code_tests.plan.
+PARSE_ERRORS = (SyntaxError, ValueError, RecursionError, MemoryError)
+
 
 def parse(source: str, mode: str = "exec") -> ast.AST:
   """`ast.parse(source, mode=mode)`, tried up to 3 times on the interpreter-wide depth race (SystemError)."""

@@ -55,7 +55,7 @@ def evaluate(text: str) -> tuple[fractions.Fraction, list[int]]:
     raise ExprError(f"expression empty or longer than {_MAX_LEN} characters")
   try:
     tree = pysource.parse(text, mode="eval")
-  except (SyntaxError, ValueError, RecursionError, MemoryError) as e:  # ValueError: NUL, on older Pythons
+  except pysource.PARSE_ERRORS as e:
     raise ExprError(f"not an expression: {getattr(e, 'msg', e)}") from None
   literals: list[int] = []
   return _eval(tree, literals), literals

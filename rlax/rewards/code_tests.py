@@ -149,7 +149,7 @@ def plan(test: str) -> ast.Module:
   """The parsed test; ValueError when it does not parse or has no assert."""
   try:
     tree = pysource.parse(test)
-  except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+  except pysource.PARSE_ERRORS as e:
     raise ValueError(f"test {test[:80]!r} is not valid Python: {getattr(e, 'msg', e)}") from None
   if not any(isinstance(n, ast.Assert) for n in ast.walk(tree)):
     raise ValueError(f"test {test[:80]!r} has no assert statement, so it cannot fail; write tests with "
