@@ -43,6 +43,7 @@ from rlax.models import sharding as shd
 from rlax.models import variation
 from rlax.sampler import layouts, sizing
 from rlax.sampler import params as params_lib
+from rlax.sampler import warmup
 from rlax.sampler.layouts import make_layout
 
 GIB = 2 ** 30
@@ -65,9 +66,14 @@ _SAMPLING_COPIES = 4
 TRAINER_ITEMS = ("params", "opt_state", "grads", "ref_params", "critic", "batch", "activations", "logits")
 SAMPLER_ITEMS = ("weights", "spare_weights", "pristine_base", "fused", "kv_cache", "teacher", "judge", "scratch")
 HOST_ITEMS = ("runtime", "checkpoint")
-# The process itself: Python, JAX/XLA and the compiled programs, tokenizer and records (after the warm-up, free
-# pages returned; 1.35 GB measured on the SmolLM2 run).
-_RUNTIME_BYTES = int(1.25 * 2 ** 30)
+# The process before its programs: Python, JAX/XLA, tokenizer and records (after the warm-up, free pages returned).
+_PROCESS_BYTES = int(0.5 * 2 ** 30)
+# The host heap a compiled program holds, as loaded from the persistent cache (XLA:CPU keeps more of a loaded
+# executable than of one it compiled: 40.0 against 23.7 MiB a program over the calculator run's 54 sampler
+# programs, SmolLM2-135M's 30 layers; a one-layer program 3 MiB; 2026-12-07): a part per program, one per layer.
+PROGRAM_BYTES = 3 * 2 ** 20
+PROGRAM_LAYER_BYTES = int(1.25 * 2 ** 20)
+_EAGER_PROGRAMS = 25  # eager operations (jit(stage)) a process compiles once, one-layer sized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +324,23 @@ def _judge_bytes(run: RunConfig, mesh: AbstractMesh, isz: int, platform: str) ->
   return int(mem["params"] + mem["cache"] + _fused_bytes(jcfg, mesh, isz, platform, layout)), sampling
 
 
+def _programs(run: RunConfig, tmesh: AbstractMesh, smesh: AbstractMesh, platform: str,
+              budget: Optional[int]) -> list[tuple[int, int]]:
+  """(programs, layers each) the run compiles: its sampler's warm-up (`Sampler.warm_up_calls` of
+  `builders.sampler`, counted without building it), its train steps (with the reference's log-probs where
+  algorithm.kl_coef > 0) and the eager operations. The teacher's and the judge's are not counted."""
+  r, L = run.rollout, run.model.n_layers
+  B = builders.slots(run, smesh, budget, platform)
+  paged = isinstance(make_layout(run.model, "auto", r.max_prompt_len, r.max_new_tokens, platform=platform),
+                     layouts.Paged)
+  calls = warmup.calls(B, warmup.slot_buckets(B, shd.row_shards(smesh, B), not paged), builders.sampler_uses(run),
+                       recompute=r.on_swap == "recompute", extend=bool(run.env.name),
+                       max_new_tokens=r.max_new_tokens, admit_factor=warmup.ADMIT_FACTOR,
+                       prompt_buckets=warmup.prompt_buckets(r.max_prompt_len, 0))
+  steps = len(run_lib.train_plan(run, builders.trainer(run, tmesh)).programs) * (1 + (run.algorithm.kl_coef > 0))
+  return [(len(warmup.programs(calls)), L), (steps, L), (_EAGER_PROGRAMS, 1)]
+
+
 def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *, service_devices: int = 0,
              platform: Optional[str] = None, sampler_budget_bytes: Optional[int] = None) -> MemoryEstimate:
   """Per-device bytes of `run`'s trainer step on `trainer_devices` devices, of its sampler on `sampler_devices`
@@ -347,8 +370,11 @@ def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *, serv
   blocks = run_lib.checkpoint_blocks(platform)
   if blocks:
     state = max(0, state - (trainer["grads"] + trainer["activations"] + trainer["logits"]) * trainer_devices)
-  host = dict(runtime=_RUNTIME_BYTES, checkpoint=state)
-  notes.update({"host.runtime": "Python, JAX/XLA and the compiled programs, tokenizer and records",
+  programs = _programs(run, tmesh, smesh, platform, sampler_budget_bytes)
+  runtime = _PROCESS_BYTES + sum(n * (PROGRAM_BYTES + layers * PROGRAM_LAYER_BYTES) for n, layers in programs)
+  host = dict(runtime=runtime, checkpoint=state)
+  notes.update({"host.runtime": (f"Python, JAX/XLA, tokenizer and records; {sum(n for n, _ in programs)} "
+                                 "compiled programs (the sampler's warm-up, the train steps, eager operations)"),
                 "host.checkpoint": ("the chunk of the train state a save streams, beyond the step's "
                                     "transients (a save blocks between steps)" if blocks else
                                     "the train state's host copy while an async checkpoint save runs")})

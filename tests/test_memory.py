@@ -336,3 +336,17 @@ def test_host_items_add_to_the_total_where_devices_are_host_memory():
   assert cpu.total_bytes == devices(cpu) + sum(cpu.host.values())
   assert tpu.total_bytes == devices(tpu)
   assert "host (this process" in cpu.summary()
+
+
+def test_the_runtime_counts_the_programs_the_sampler_warms_up():
+  """The host's runtime item holds a heap per compiled program, counted without building the sampler: recomputing
+  the cache on a weight swap adds the engine's recompute programs (one per slot bucket), each a fixed part and
+  one per layer."""
+  from rlax.sampler import warmup
+  keep, swap = _run(rollout=dict(on_swap="keep")), _run(rollout=dict(on_swap="recompute"))
+  engines = [_sampler(r, _mesh(r, "sampler", jax.devices()[:1])) for r in (keep, swap)]
+  uses = builders.sampler_uses(swap)
+  n_keep, n_swap = (len(warmup.programs(e.warm_up_calls(uses))) for e in engines)
+  a, b = (memory.estimate(r, 1, 1, platform="cpu").host["runtime"] for r in (keep, swap))
+  assert n_swap - n_keep == len(engines[1].slot_buckets) > 1
+  assert b - a == (n_swap - n_keep) * (memory.PROGRAM_BYTES + swap.model.n_layers * memory.PROGRAM_LAYER_BYTES)

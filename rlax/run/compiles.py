@@ -15,7 +15,7 @@ from rlax import allocator
 _EVENT = "/jax/core/compile/backend_compile_duration"
 _lock = threading.Lock()
 _totals = [0, 0.0]  # compiles, seconds
-_names: collections.deque = collections.deque(maxlen=64)  # (compile number, "program on thread"), the newest
+_names: collections.deque = collections.deque(maxlen=256)  # (compile number, "program on thread"), the newest
 _release = {"gap_s": None, "last": 0.0}  # `release_after_compiles`: off (None) or the least seconds between two
 
 
@@ -62,7 +62,7 @@ class CompileCounter:
     return out
 
   def names(self) -> list[str]:
-    """The programs the last `delta()` counted (its newest 64): which ones, on which thread."""
+    """The programs the last `delta()` counted (its newest 256): which ones, on which thread."""
     with _lock:
       return [name for n, name in _names if self._last[0] < n <= self._mark[0]]
 

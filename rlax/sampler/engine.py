@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import itertools
 from typing import Callable, Optional, Sequence, Union
 
 import jax
@@ -43,6 +42,7 @@ from rlax.sampler import layouts
 from rlax.sampler import params as params_lib
 from rlax.sampler import programs
 from rlax.sampler import prompts as prompts_lib
+from rlax.sampler import warmup
 from rlax.sampler import sizing
 from rlax.sampler import slots as slots_lib
 from rlax.sampler.rows import SampleOutput, concat_outputs
@@ -69,7 +69,7 @@ class Sampler:
                eos_id: Union[int, Sequence[int], None] = None, pad_id: int = 0, decode_chunk: int = 16,
                on_swap: str = "recompute", shrink: bool = True, memory_budget_bytes: Optional[int] = None,
                params: Optional[models.Params] = None, version: int = 0, attention: str = "auto",
-               page_size: Optional[int] = None, weights: Optional[WeightsService] = None, admit_factor: int = 2,
+               page_size: Optional[int] = None, weights: Optional[WeightsService] = None, admit_factor: int = warmup.ADMIT_FACTOR,
                prompt_factor: int = 0):
     if max_prompt_len < 1 or max_new_tokens < 1:
       raise ValueError(f"max_prompt_len={max_prompt_len} and max_new_tokens={max_new_tokens} must be >= 1")
@@ -98,8 +98,7 @@ class Sampler:
                       else "paged")
     self.decode_chunk, self.on_swap, self.shrink = decode_chunk, on_swap, shrink and not self.paged
     self.admit_factor = admit_factor
-    self.prompt_buckets = (prompts_lib.pow_buckets(32, max_prompt_len, prompt_factor) if prompt_factor
-                           else (max_prompt_len,))
+    self.prompt_buckets = warmup.prompt_buckets(max_prompt_len, prompt_factor)
     self.memory = sizing.sampler_memory(cfg, self.layout, slots, max_prompt_len + max_new_tokens, mesh)
     self.memory["budget"] = sizing.budget_or_default(memory_budget_bytes, self.devices)
     sizing.check({k: v for k, v in self.memory.items() if k != "budget"}, self.memory["budget"], slots,
@@ -122,10 +121,7 @@ class Sampler:
     self._cancel = self._jit("cancel", slots_lib.cancel, donate=(0,))
     self._grow = self._jit("grow", slots_lib.grow, donate=(0,))
     self._states: dict[int, tuple] = {}
-    # Slot buckets for the tail: slots halved down to slots/16 (a decode program each; every one compiled before
-    # the first batch by warm_up), none under one whole shard row.
-    self.slot_buckets = ([b for b in (slots >> i for i in range(5)) if b and b % shards == 0][::-1] if self.shrink
-                         else [slots])
+    self.slot_buckets = list(warmup.slot_buckets(slots, shards, self.shrink))  # the tail's decode sizes
     self.weights = weights if weights is not None else WeightsService()
     if params is not None:
       self.update_weights(params, version)
@@ -257,40 +253,23 @@ class Sampler:
     return self.extend(params, st, *map(self.put, (ids, append, n_append, lim, stop_ids)), version)
 
   def extend_buckets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Rows and appended lengths an extension is padded to (factor-4 steps: one program each, all warmed up)."""
-    return (prompts_lib.pow_buckets(1, self.slots, 4), prompts_lib.pow_buckets(4, self.max_new_tokens, 4))
+    return warmup.extend_buckets(self.slots, self.max_new_tokens)
+
+  def warm_up_calls(self, uses, *, extend: bool = False) -> list[tuple]:
+    """`warm_up`'s calls (rlax.sampler.warmup.calls) for these (samples per group, strategy) uses."""
+    return warmup.calls(self.slots, self.slot_buckets, uses, recompute=self.on_swap == "recompute", extend=extend,
+                        max_new_tokens=self.max_new_tokens, admit_factor=self.admit_factor,
+                        prompt_buckets=self.prompt_buckets)
 
   def warm_up(self, params, uses, *, extend: bool = False) -> None:
     """Runs every program a stream can call on empty states (each returns at once), so that a run compiles them
     before its first batch rather than in the middle of one. uses: the (samples per group, strategy) pairs the
     run samples with; admissions are of `group_buckets(G)` groups; extend: a multi-turn run's extensions too."""
-    key = np.asarray(jax.random.key_data(jax.random.key(0)))
     with self.ctx():
-      for S in reversed(self.slot_buckets):
-        st = self.empty(S)
-        for _, strategy in uses:
-          st = self.decode(params, st, 0, strategy)
-        st = self.cancel(self.recompute(params, st) if self.on_swap == "recompute" else st, np.zeros(S, bool))
-        for b in self.slot_buckets:
-          if b < S:
-            self.gather(st, np.arange(b))
-        if S < self.slots:
-          self.grow(st)
-      if extend:  # multi-turn: extensions run at full size (`Stream` grows back first)
-        A_b, M_b = self.extend_buckets()
-        for A in A_b:
-          for M in M_b:
-            st = self.extension(params, self.empty(), [self.slots] * A, [[0] * M] * A, [1] * A, [[]] * A, 0)
-      for G, strategy in uses:  # every admission size at every prompt width
-        for q, P in itertools.product(self.group_buckets(G), self.prompt_buckets):
-          st = self.admission(params, self.empty(), np.zeros((q, self.max_prompt_len), np.int32),
-                              np.full(q, P, np.int32), np.full(q * G, self.slots, np.int32),
-                              np.stack([key] * (q * G)), np.ones(q * G, np.int32), 0, strategy)
-      jax.block_until_ready(st)
+      warmup.run(self, params, self.warm_up_calls(uses, extend=extend))
 
   def group_buckets(self, samples: int) -> tuple[int, ...]:
-    """Prompt counts an admission of groups of `samples` rows is padded to (one prefill and admit program each)."""
-    return prompts_lib.pow_buckets(1, self.slots // samples, self.admit_factor)
+    return warmup.group_buckets(self.slots, samples, self.admit_factor)
 
   def decode(self, params, st, version, strategy, stop_at: int = 0):
     """One chunk: up to `decode_chunk` decode steps, ending once at most `stop_at` slots are running."""

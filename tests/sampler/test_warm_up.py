@@ -2,6 +2,8 @@
 length and any extension compile nothing (the engine's trace counts stay put); on a mesh too, and a second
 engine of the same programs (a rebuilt sampler) compiles nothing at all."""
 
+import collections
+
 import jax
 import numpy as np
 
@@ -93,3 +95,24 @@ def test_row_keys_of_any_row_count_within_a_power_of_two_compile_once():
           for i in range(8)]
   for n, keys in enumerate(got, 1):
     np.testing.assert_array_equal(keys, np.stack(want[:n]))
+
+
+def test_the_warm_up_compiles_the_programs_its_plan_counts():
+  """`warmup.programs` (what rlax.memory counts, no engine built) are the programs the warm-up compiles: JAX's own
+  compile events, multi-turn, two sampling methods, two prompt widths (the eager operations a process compiles
+  once, `stage`, aside)."""
+  from rlax.sampler import warmup
+  cs = S.Sampler(CFG, max_prompt_len=40, max_new_tokens=18, slots=8, decode_chunk=3, params=P0, prompt_factor=2)
+  uses = ((2, S.Temperature(0.7)), (1, S.Greedy()))
+  planned = warmup.programs(warmup.calls(8, warmup.slot_buckets(8, 1, True), uses, recompute=True, extend=True,
+                                         max_new_tokens=18, admit_factor=2, prompt_buckets=(32, 40)))
+  assert planned == warmup.programs(cs.warm_up_calls(uses, extend=True))
+  params = cs.weights_source()()[0]
+  jax.random.key_data(jax.random.key(0))  # the warm-up's key: compiled once a process, not the engine's
+  cs.fused(params)  # the weights' fuse: one per model, whichever engine compiled it first
+  compiles = CompileCounter()
+  cs.warm_up(params, uses, extend=True)
+  compiles.delta()
+  names = collections.Counter(n.split(" on ")[0] for n in compiles.names() if not n.startswith("jit(stage)"))
+  assert names == collections.Counter(f"jit({p[0] if p[0] != 'state' else 'empty'})" for p in planned
+                                 if p != ("fuse",))

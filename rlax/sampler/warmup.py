@@ -1,0 +1,102 @@
+"""What a sampler compiles, decided once: its buckets and the calls of its warm-up. `Sampler.warm_up` makes
+exactly these calls; `rlax.memory` counts the programs they compile (each compiled program holds host heap)
+without building an engine."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import numpy as np
+from typing import Sequence
+
+from rlax.sampler import prompts as prompts_lib
+
+
+ADMIT_FACTOR = 2  # admissions are padded to 1, 2, 4, ... groups (`Sampler`'s default)
+
+
+def prompt_buckets(max_prompt_len: int, factor: int) -> tuple[int, ...]:
+  """Prefill widths: 32, 32 factor, ... up to max_prompt_len (factor 0: max_prompt_len only)."""
+  return prompts_lib.pow_buckets(32, max_prompt_len, factor) if factor else (max_prompt_len,)
+
+
+def slot_buckets(slots: int, shards: int, shrink: bool) -> tuple[int, ...]:
+  """Slot counts a stream decodes on: slots halved down to slots/16 (a decode program each), none under one
+  whole shard row; just `slots` without shrinking. Read by `Sampler` and `calls`."""
+  if not shrink:
+    return (slots,)
+  return tuple(b for b in (slots >> i for i in range(5)) if b and b % shards == 0)[::-1]
+
+
+def group_buckets(slots: int, samples: int, admit_factor: int) -> tuple[int, ...]:
+  """Prompt counts an admission of groups of `samples` rows is padded to (one prefill and admit program each)."""
+  return prompts_lib.pow_buckets(1, slots // samples, admit_factor)
+
+
+def extend_buckets(slots: int, max_new_tokens: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """Rows and appended lengths an extension is padded to (factor-4 steps: one program each)."""
+  return prompts_lib.pow_buckets(1, slots, 4), prompts_lib.pow_buckets(4, max_new_tokens, 4)
+
+
+def calls(slots: int, buckets: Sequence[int], uses, *, recompute: bool, extend: bool, max_new_tokens: int,
+          admit_factor: int, prompt_buckets: Sequence[int]) -> list[tuple]:
+  """Every call of a warm-up, in order: ("state", S), ("decode", S, strategy), ("recompute", S), ("cancel",
+  S), ("shrink", S, b), ("grow", S), ("extend", A, M), ("admission", G, strategy, q, P). uses: the (samples
+  per group, strategy) pairs a run samples with; extend: multi-turn extensions too."""
+  out = []
+  for S in reversed(buckets):
+    out.append(("state", S))
+    out += [("decode", S, strategy) for _, strategy in uses]
+    out += [("recompute", S)] * recompute + [("cancel", S)]
+    out += [("shrink", S, b) for b in buckets if b < S]
+    out += [("grow", S)] * (S < slots)
+  if extend:
+    rows, lengths = extend_buckets(slots, max_new_tokens)
+    out += [("extend", A, M) for A in rows for M in lengths]
+  for G, strategy in uses:
+    out += [("admission", G, strategy, q, P)
+            for q, P in itertools.product(group_buckets(slots, G, admit_factor), prompt_buckets)]
+  return out
+
+
+def programs(warm_calls: Sequence[tuple]) -> set:
+  """The distinct programs `warm_calls` compile: the weights' fuse and each call's own (an admission: a
+  prefill of its width and an admit of its rows). Each compiled program holds host heap: `rlax.memory`."""
+  out = {("fuse",)}
+  for c in warm_calls:
+    if c[0] == "admission":
+      _, G, strategy, q, P = c
+      out |= {("prefill", q, P), ("admit", q, q * G, strategy)}
+    else:
+      out.add(c)
+  return out
+
+
+def run(engine, params, warm_calls: Sequence[tuple]) -> None:
+  """Makes `warm_calls` on `engine` (a `Sampler`, under its mesh) with empty states: each program compiles and
+  returns at once."""
+  key = np.asarray(jax.random.key_data(jax.random.key(0)))
+  st = None
+  for kind, *a in warm_calls:
+    if kind == "state":
+      st = engine.empty(a[0])
+    elif kind == "decode":
+      st = engine.decode(params, st, 0, a[1])
+    elif kind == "recompute":
+      st = engine.recompute(params, st)
+    elif kind == "cancel":
+      st = engine.cancel(st, np.zeros(a[0], bool))
+    elif kind == "shrink":
+      engine.gather(st, np.arange(a[1]))
+    elif kind == "grow":
+      engine.grow(st)
+    elif kind == "extend":
+      A, M = a
+      st = engine.extension(params, engine.empty(), [engine.slots] * A, [[0] * M] * A, [1] * A, [[]] * A, 0)
+    else:  # an admission of q groups of G at prompt width P
+      G, strategy, q, P = a
+      st = engine.admission(params, engine.empty(), np.zeros((q, engine.max_prompt_len), np.int32),
+                            np.full(q, P, np.int32), np.full(q * G, engine.slots, np.int32),
+                            np.stack([key] * (q * G)), np.ones(q * G, np.int32), 0, strategy)
+  jax.block_until_ready(st)
