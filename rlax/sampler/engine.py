@@ -69,8 +69,8 @@ class Sampler:
                eos_id: Union[int, Sequence[int], None] = None, pad_id: int = 0, decode_chunk: int = 16,
                on_swap: str = "recompute", shrink: bool = True, memory_budget_bytes: Optional[int] = None,
                params: Optional[models.Params] = None, version: int = 0, attention: str = "auto",
-               page_size: Optional[int] = None, weights: Optional[WeightsService] = None, admit_factor: int = warmup.ADMIT_FACTOR,
-               prompt_factor: int = 0):
+               page_size: Optional[int] = None, weights: Optional[WeightsService] = None,
+               admit_factor: int = warmup.ADMIT_FACTOR, prompt_factor: int = 0):
     if max_prompt_len < 1 or max_new_tokens < 1:
       raise ValueError(f"max_prompt_len={max_prompt_len} and max_new_tokens={max_new_tokens} must be >= 1")
     if page_size is not None and page_size < 1:
