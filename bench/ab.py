@@ -57,7 +57,7 @@ def _worker() -> None:
     jax.block_until_ready(out.tokens)
     return time.perf_counter() - t
 
-  for limit in (n_new, 1, n_new, 1):  # compiles
+  for limit in ((n_new,) if w4 else (n_new, 1, n_new, 1)):  # compiles
     call(limit)
   print("ready", os.path.abspath(M.__file__), flush=True)
   for line in sys.stdin:
@@ -65,17 +65,18 @@ def _worker() -> None:
 
 
 def _spawn(root: str) -> subprocess.Popen:
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "bench")]))
+  # The worker is this file: `workload` comes from this checkout's bench/, `rlax` from `root` (before site-packages).
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
   argv = [sys.executable, os.path.abspath(__file__), "--worker", f"--workload={FLAGS.workload}"]
   argv += [f"--{k}={FLAGS[k].value}" for k in ("vocab", "d_model", "layers", "heads", "kv_heads", "head_dim", "mlp",
-                                                "prompts", "prompt_len", "samples", "new_tokens")]
+                                                "dtype", "prompts", "prompt_len", "samples", "new_tokens")]
   p = subprocess.Popen(argv, cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                        stderr=subprocess.DEVNULL, text=True)
-  ready = p.stdout.readline().split()
-  if ready[:1] != ["ready"]:
+  word, _, where = p.stdout.readline().strip().partition(" ")
+  if word != "ready":
     raise RuntimeError(f"{root}: the worker did not start (run bench/sampler.py there to see why)")
-  if not ready[1].startswith(os.path.join(root, "rlax") + os.sep):
-    raise RuntimeError(f"{root}: the worker imported rlax from {ready[1]}")
+  if not where.startswith(os.path.join(root, "rlax") + os.sep):
+    raise RuntimeError(f"{root}: the worker imported rlax from {where}")
   return p
 
 
@@ -95,7 +96,10 @@ def main(_):
         for s in order:
           sides[s].stdin.write(f"{n}\n")
           sides[s].stdin.flush()
-          times[s, n].append(float(sides[s].stdout.readline()))
+          got = sides[s].stdout.readline()
+          if not got:
+            raise RuntimeError(f"the {s} worker stopped (exit status {sides[s].poll()})")
+          times[s, n].append(float(got))
   finally:
     for p in sides.values():
       p.stdin.close()

@@ -324,8 +324,8 @@ def _judge_bytes(run: RunConfig, mesh: AbstractMesh, isz: int, platform: str) ->
   return int(mem["params"] + mem["cache"] + _fused_bytes(jcfg, mesh, isz, platform, layout)), sampling
 
 
-def _programs(run: RunConfig, tmesh: AbstractMesh, smesh: AbstractMesh, platform: str,
-              budget: Optional[int]) -> list[tuple[int, int]]:
+def compiled_programs(run: RunConfig, tmesh: AbstractMesh, smesh: AbstractMesh, platform: str,
+                      budget: Optional[int]) -> list[tuple[int, int]]:
   """(programs, layers each) the run compiles: its sampler's warm-up (`Sampler.warm_up_calls` of
   `builders.sampler`, counted without building it), its train steps (with the reference's log-probs where
   algorithm.kl_coef > 0) and the eager operations. The teacher's and the judge's are not counted."""
@@ -370,7 +370,7 @@ def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *, serv
   blocks = run_lib.checkpoint_blocks(platform)
   if blocks:
     state = max(0, state - (trainer["grads"] + trainer["activations"] + trainer["logits"]) * trainer_devices)
-  programs = _programs(run, tmesh, smesh, platform, sampler_budget_bytes)
+  programs = compiled_programs(run, tmesh, smesh, platform, sampler_budget_bytes)
   runtime = _PROCESS_BYTES + sum(n * (PROGRAM_BYTES + layers * PROGRAM_LAYER_BYTES) for n, layers in programs)
   host = dict(runtime=runtime, checkpoint=state)
   notes.update({"host.runtime": (f"Python, JAX/XLA, tokenizer and records; {sum(n for n, _ in programs)} "

@@ -349,4 +349,6 @@ def test_the_runtime_counts_the_programs_the_sampler_warms_up():
   n_keep, n_swap = (len(warmup.programs(e.warm_up_calls(uses))) for e in engines)
   a, b = (memory.estimate(r, 1, 1, platform="cpu").host["runtime"] for r in (keep, swap))
   assert n_swap - n_keep == len(engines[1].slot_buckets) > 1
+  tmesh, smesh = (topology.abstract_mesh(getattr(swap.topology, f"{r}_mesh"), 1, r) for r in ("trainer", "sampler"))
+  assert memory.compiled_programs(swap, tmesh, smesh, "cpu", None)[0] == (n_swap, swap.model.n_layers)
   assert b - a == (n_swap - n_keep) * (memory.PROGRAM_BYTES + swap.model.n_layers * memory.PROGRAM_LAYER_BYTES)

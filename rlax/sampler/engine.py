@@ -265,8 +265,7 @@ class Sampler:
     """Runs every program a stream can call on empty states (each returns at once), so that a run compiles them
     before its first batch rather than in the middle of one. uses: the (samples per group, strategy) pairs the
     run samples with; admissions are of `group_buckets(G)` groups; extend: a multi-turn run's extensions too."""
-    with self.ctx():
-      warmup.run(self, params, self.warm_up_calls(uses, extend=extend))
+    warmup.run(self, params, self.warm_up_calls(uses, extend=extend))
 
   def group_buckets(self, samples: int) -> tuple[int, ...]:
     return warmup.group_buckets(self.slots, samples, self.admit_factor)

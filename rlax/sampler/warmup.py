@@ -74,9 +74,14 @@ def programs(warm_calls: Sequence[tuple]) -> set:
 
 
 def run(engine, params, warm_calls: Sequence[tuple]) -> None:
-  """Makes `warm_calls` on `engine` (a `Sampler`, under its mesh) with empty states: each program compiles and
+  """Makes `warm_calls` on `engine` (a `Sampler`) under its mesh, with empty states: each program compiles and
   returns at once."""
-  key = np.asarray(jax.random.key_data(jax.random.key(0)))
+  key = np.asarray(jax.random.key_data(jax.random.key(0)))  # off the mesh: the process's one eager program
+  with engine.ctx():
+    _make(engine, params, warm_calls, key)
+
+
+def _make(engine, params, warm_calls: Sequence[tuple], key) -> None:
   st = None
   for kind, *a in warm_calls:
     if kind == "state":
