@@ -336,7 +336,7 @@ def compiled_programs(run: RunConfig, tmesh: AbstractMesh, smesh: AbstractMesh, 
   calls = warmup.calls(B, warmup.slot_buckets(B, shd.row_shards(smesh, B), not paged), builders.sampler_uses(run),
                        recompute=r.on_swap == "recompute", extend=bool(run.env.name),
                        max_new_tokens=r.max_new_tokens, admit_factor=warmup.ADMIT_FACTOR,
-                       prompt_buckets=warmup.prompt_buckets(r.max_prompt_len, 0))
+                       prompt_widths=warmup.prompt_buckets(r.max_prompt_len, 0))
   steps = len(run_lib.train_plan(run, builders.trainer(run, tmesh)).programs) * (1 + (run.algorithm.kl_coef > 0))
   return [(len(warmup.programs(calls)), L), (steps, L), (_EAGER_PROGRAMS, 1)]
 

@@ -259,7 +259,7 @@ class Sampler:
     """`warm_up`'s calls (rlax.sampler.warmup.calls) for these (samples per group, strategy) uses."""
     return warmup.calls(self.slots, self.slot_buckets, uses, recompute=self.on_swap == "recompute", extend=extend,
                         max_new_tokens=self.max_new_tokens, admit_factor=self.admit_factor,
-                        prompt_buckets=self.prompt_buckets)
+                        prompt_widths=self.prompt_buckets)
 
   def warm_up(self, params, uses, *, extend: bool = False) -> None:
     """Runs every program a stream can call on empty states (each returns at once), so that a run compiles them

@@ -5,10 +5,10 @@ without building an engine."""
 from __future__ import annotations
 
 import itertools
+from typing import Sequence
 
 import jax
 import numpy as np
-from typing import Sequence
 
 from rlax.sampler import prompts as prompts_lib
 
@@ -40,10 +40,11 @@ def extend_buckets(slots: int, max_new_tokens: int) -> tuple[tuple[int, ...], tu
 
 
 def calls(slots: int, buckets: Sequence[int], uses, *, recompute: bool, extend: bool, max_new_tokens: int,
-          admit_factor: int, prompt_buckets: Sequence[int]) -> list[tuple]:
+          admit_factor: int, prompt_widths: Sequence[int]) -> list[tuple]:
   """Every call of a warm-up, in order: ("state", S), ("decode", S, strategy), ("recompute", S), ("cancel",
   S), ("shrink", S, b), ("grow", S), ("extend", A, M), ("admission", G, strategy, q, P). uses: the (samples
-  per group, strategy) pairs a run samples with; extend: multi-turn extensions too."""
+  per group, strategy) pairs a run samples with; extend: multi-turn extensions too; prompt_widths: the
+  prefill widths (`prompt_buckets`)."""
   out = []
   for S in reversed(buckets):
     out.append(("state", S))
@@ -56,7 +57,7 @@ def calls(slots: int, buckets: Sequence[int], uses, *, recompute: bool, extend: 
     out += [("extend", A, M) for A in rows for M in lengths]
   for G, strategy in uses:
     out += [("admission", G, strategy, q, P)
-            for q, P in itertools.product(group_buckets(slots, G, admit_factor), prompt_buckets)]
+            for q, P in itertools.product(group_buckets(slots, G, admit_factor), prompt_widths)]
   return out
 
 

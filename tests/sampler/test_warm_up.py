@@ -105,7 +105,7 @@ def test_the_warm_up_compiles_the_programs_its_plan_counts():
   cs = S.Sampler(CFG, max_prompt_len=40, max_new_tokens=18, slots=8, decode_chunk=3, params=P0, prompt_factor=2)
   uses = ((2, S.Temperature(0.7)), (1, S.Greedy()))
   planned = warmup.programs(warmup.calls(8, warmup.slot_buckets(8, 1, True), uses, recompute=True, extend=True,
-                                         max_new_tokens=18, admit_factor=2, prompt_buckets=(32, 40)))
+                                         max_new_tokens=18, admit_factor=2, prompt_widths=(32, 40)))
   assert planned == warmup.programs(cs.warm_up_calls(uses, extend=True))
   params = cs.weights_source()()[0]
   jax.random.key_data(jax.random.key(0))  # the warm-up's key: compiled once a process, not the engine's
