@@ -29,6 +29,7 @@ import numpy as np
 from rlax.models import moe
 from rlax.sampler import prompts as prompts_lib
 from rlax.sampler import rows as rows_lib
+from rlax.sampler import warmup
 from rlax.sampler.rows import SampleOutput
 from rlax.sampler.slots import MAX_STOP_IDS
 from rlax.sampler.strategies import SamplingMethod
@@ -217,8 +218,8 @@ class Stream:
     if self.queue:
       need = self.queue[0].samples - int(np.sum(self.owner < 0))
       return max(0, running - max(1, need))
-    smaller = [b for b in self.e.slot_buckets if b < len(self.owner)] if self.e.shrink else []
-    fit = max(smaller) - len(self._parked) if smaller else 0
+    smaller = warmup.next_smaller(self.e.slot_buckets, len(self.owner)) if self.e.shrink else 0
+    fit = smaller - len(self._parked) if smaller else 0
     return fit if 0 < fit < running else 0  # rows that fit already shrink after this chunk
 
   def _newest_weights(self):
@@ -280,11 +281,12 @@ class Stream:
         self.owner = np.concatenate([self.owner, np.full(e.slots - size, -1)])
       return
     used = np.flatnonzero(self.owner >= 0)
-    b = next((b for b in e.slot_buckets if b >= len(used)), size)
-    if e.shrink and len(used) and b < size:
+    b = warmup.next_smaller(e.slot_buckets, size) if e.shrink and len(used) else 0
+    while b and b >= len(used):  # step by step: the rows come first, so each later step copies only what is left
       idx = np.concatenate([used, np.flatnonzero(self.owner < 0)[:b - len(used)]])
       self.st = e.gather(self.st, idx)
       self.owner = self.owner[idx]
+      used, b = np.arange(len(used)), warmup.next_smaller(e.slot_buckets, b)
 
   def cancel_older(self, version: int) -> list:
     """Stops the groups whose first tokens were drawn with weights older than `version` (too stale to be used)
