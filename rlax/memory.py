@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
 from rlax import builders
+from rlax import judges
 from rlax import models
 from rlax import run as run_lib
 from rlax import services
@@ -317,28 +318,39 @@ def _judge_bytes(run: RunConfig, mesh: AbstractMesh, isz: int, platform: str) ->
   if run.reward.name != "judge":
     return 0, 0.0
   j, slots, tensor = run.judge, builders.judge_slots(run), dict(mesh.shape)["tensor"]
-  jcfg = hf.read_config(j.hf_checkpoint, dtype=run.model.dtype)
-  layout = make_layout(jcfg, "auto", j.max_prompt_len, j.max_new_tokens, platform=platform)
+  jcfg, layout = _judge_model(run, platform)
   mem = sizing.sampler_memory(jcfg, layout, slots, j.max_prompt_len + j.max_new_tokens, mesh)
   sampling = _SAMPLING_COPIES * slots // shd.row_shards(mesh, slots) * _split(jcfg.vocab_size, tensor) * 4
   return int(mem["params"] + mem["cache"] + _fused_bytes(jcfg, mesh, isz, platform, layout)), sampling
 
 
+def _judge_model(run: RunConfig, platform: str) -> tuple[models.ModelConfig, layouts.Dense | layouts.Paged]:
+  j = run.judge
+  jcfg = hf.read_config(j.hf_checkpoint, dtype=run.model.dtype)
+  return jcfg, make_layout(jcfg, "auto", j.max_prompt_len, j.max_new_tokens, platform=platform)
+
+
 def compiled_programs(run: RunConfig, tmesh: AbstractMesh, smesh: AbstractMesh, platform: str,
                       budget: Optional[int]) -> list[tuple[int, int]]:
-  """(programs, layers each) the run compiles: its sampler's warm-up (`Sampler.warm_up_calls` of
-  `builders.sampler`, counted without building it), its train steps (with the reference's log-probs where
-  algorithm.kl_coef > 0) and the eager operations. The teacher's and the judge's are not counted."""
+  """(programs, layers each) the run compiles: its sampler's warm-up (`warmup.sizes` as `builders.sampler`'s
+  engine decides them, counted without building it), its train steps (with the reference's log-probs where
+  algorithm.kl_coef > 0), the teachers' scoring, the judge's warm-up and the eager operations."""
   r, L = run.rollout, run.model.n_layers
   B = builders.slots(run, smesh, budget, platform)
   paged = isinstance(make_layout(run.model, "auto", r.max_prompt_len, r.max_new_tokens, platform=platform),
                      layouts.Paged)
-  calls = warmup.calls(B, warmup.slot_buckets(B, shd.row_shards(smesh, B), not paged), builders.sampler_uses(run),
-                       recompute=r.on_swap == "recompute", extend=bool(run.env.name),
-                       max_new_tokens=r.max_new_tokens, admit_factor=warmup.ADMIT_FACTOR,
-                       prompt_widths=warmup.prompt_buckets(r.max_prompt_len, 0))
+  sizes = warmup.sizes(B, shd.row_shards(smesh, B), paged=paged, on_swap=r.on_swap, max_prompt_len=r.max_prompt_len,
+                       max_new_tokens=r.max_new_tokens)
+  calls = sizes.calls(builders.sampler_uses(run), extend=run.env.episodic)
   steps = len(run_lib.train_plan(run, builders.trainer(run, tmesh)).programs) * (1 + (run.algorithm.kl_coef > 0))
-  return [(len(warmup.programs(calls)), L), (steps, L), (_EAGER_PROGRAMS, 1)]
+  out = [(len(warmup.programs(calls)), L), (steps, L), (_EAGER_PROGRAMS, 1)]
+  out += [(teachers.programs_each(run.env.episodic), hf.read_config(path).n_layers)
+          for path in (run.teacher.dirs().values() if run.algorithm.distills else ())]
+  if run.reward.name == "judge":
+    jcfg, layout = _judge_model(run, platform)
+    judging = judges.sizes(run.judge, builders.judge_slots(run), isinstance(layout, layouts.Paged))
+    out.append((len(warmup.programs(judging.calls(judges.USES))), jcfg.n_layers))
+  return out
 
 
 def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *, service_devices: int = 0,
@@ -374,7 +386,8 @@ def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *, serv
   runtime = _PROCESS_BYTES + sum(n * (PROGRAM_BYTES + layers * PROGRAM_LAYER_BYTES) for n, layers in programs)
   host = dict(runtime=runtime, checkpoint=state)
   notes.update({"host.runtime": (f"Python, JAX/XLA, tokenizer and records; {sum(n for n, _ in programs)} "
-                                 "compiled programs (the sampler's warm-up, the train steps, eager operations)"),
+                                 "compiled programs (the sampler's warm-up, the train steps, eager operations, "
+                                 "teachers' and judge's)"),
                 "host.checkpoint": ("the chunk of the train state a save streams, beyond the step's "
                                     "transients (a save blocks between steps)" if blocks else
                                     "the train state's host copy while an async checkpoint save runs")})

@@ -5,9 +5,14 @@ import pytest
 
 from harness import hf_models
 from harness import judges as judges_harness
+from rlax import builders
 from rlax import config as config_lib
+from rlax import judges
 from rlax import memory
 from rlax import memory_check
+from rlax import topology
+from rlax.models import hf
+from rlax.sampler import warmup
 from rlax.data.records import Record, write_jsonl
 from rlax.runtime import Controller
 
@@ -50,6 +55,12 @@ def test_the_estimate_counts_an_own_placed_judge_on_the_service_devices(dirs):
   # Its slices lost (service_devices=0): the judge is counted beside the sampler again.
   assert memory.estimate(own, 1, 1, platform="cpu").sampler == together.sampler
   memory_check.check(apart, apart.trainer_bytes, apart.sampler_bytes, service_budget_bytes=apart.service_bytes)
+  # The host's runtime counts the judge's warm-up programs as its engine decides them, each of the judge's layers.
+  jcfg = hf.read_config(str(dirs / "judge"))
+  engine = judges.engine(beside.judge, jcfg, None, slots=builders.judge_slots(beside))
+  meshes = (topology.abstract_mesh(getattr(beside.topology, f"{r}_mesh"), 1, r) for r in ("trainer", "sampler"))
+  counted = memory.compiled_programs(beside, *meshes, "cpu", None)
+  assert counted[-1] == (len(warmup.programs(engine.warm_up_calls(judges.USES))), jcfg.n_layers) and len(counted) == 4
   with pytest.raises(ValueError, match=r"the service slices \(teacher / judge\) need .*\(topology.service_slices\)"):
     memory_check.check(apart, apart.trainer_bytes, apart.sampler_bytes, service_budget_bytes=apart.service_bytes - 1)
 

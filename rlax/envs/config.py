@@ -30,6 +30,12 @@ class EnvConfig:
   passage_chars: int = 300        # each passage's text cut to this
   retrieval_window_ms: float = 5.0  # searches that arrive within it share one retriever call
 
+  @property
+  def episodic(self) -> bool:
+    """Rollouts are an environment's episodes (any name): the sampler compiles its extensions and batches keep
+    forks. Read by the sampler's warm-up, the memory estimate and the batch template."""
+    return bool(self.name)
+
   def validate(self) -> "EnvConfig":
     for name, ok in (("max_turns", self.max_turns >= 1), ("max_tool_calls", self.max_tool_calls >= 0),
                      ("turn_tokens", self.turn_tokens >= 0), ("context_tokens", self.context_tokens >= 0),

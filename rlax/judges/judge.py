@@ -22,7 +22,7 @@ from rlax.envs import renderers
 from rlax.judges import verdicts
 from rlax.judges.config import JudgeConfig
 from rlax.models import hf
-from rlax.sampler import Sampler, strategies
+from rlax.sampler import Sampler, strategies, warmup
 from rlax.sampler.rows import LENGTH
 
 CUT = " [...]"  # marks a reply cut to fit the judge's prompt
@@ -38,14 +38,25 @@ def question_of(record) -> str:
   return users[-1] if users else ""
 
 
+USES = ((1, strategies.Greedy()),)  # the engine's (samples per group, strategy): one greedy verdict a reply
+# Never new weights (no recompute program), a batch at a time (no smaller decode), few admission sizes.
+_SIZES = dict(on_swap="keep", shrink=False, admit_factor=4, prompt_factor=2)
+
+
 def engine(config: JudgeConfig, model_cfg, mesh, *, slots: int, params=None, eos_id=None, pad_id: int = 0,
            **kw) -> Sampler:
-  """The judge's sampling engine: never new weights (no recompute program), a batch at a time (no smaller
-  decode), few admission sizes, and a short verdict in one decode chunk. Callers: Judge, launch.plan (`kw`:
-  its memory budget)."""
+  """The judge's sampling engine (`_SIZES`), a short verdict in one decode chunk. Callers: Judge, launch.plan
+  (`kw`: its memory budget)."""
   return Sampler(model_cfg, mesh, max_prompt_len=config.max_prompt_len, max_new_tokens=config.max_new_tokens,
-                 slots=slots, eos_id=eos_id, pad_id=pad_id, params=params, on_swap="keep", shrink=False,
-                 admit_factor=4, prompt_factor=2, decode_chunk=min(config.max_new_tokens, 16), **kw)
+                 slots=slots, eos_id=eos_id, pad_id=pad_id, params=params, decode_chunk=min(config.max_new_tokens, 16),
+                 **_SIZES, **kw)
+
+
+def sizes(config: JudgeConfig, slots: int, paged: bool) -> warmup.Sizes:
+  """The judge engine's compiled sizes without building it (it never shrinks: its mesh's row shards do not
+  matter). rlax.memory counts the programs of their warm-up."""
+  return warmup.sizes(slots, 1, paged=paged, max_prompt_len=config.max_prompt_len,
+                      max_new_tokens=config.max_new_tokens, **_SIZES)
 
 
 class Judge:
@@ -69,7 +80,7 @@ class Judge:
 
   def warm_up(self) -> None:
     """Compiles the engine's programs before the first batch."""
-    self.engine.warm_up(self.engine.weights.latest()[0], ((1, strategies.Greedy()),))
+    self.engine.warm_up(self.engine.weights.latest()[0], USES)
 
   def prompt(self, reply: str, record) -> tuple[list[int], bool]:
     """(the judge's prompt ids for `reply` to `record`, whether the reply was cut to fit); ids longer than

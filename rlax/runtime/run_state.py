@@ -74,7 +74,7 @@ class RunState:
     self.n_pending = run.controller.max_staleness if run.deterministic else 0
     # The KL reference is the policy RL started from; after a warm start it exists nowhere else.
     self.with_ref = run.algorithm.kl_coef > 0 and run.init.sft_steps > 0
-    self._template = empty_batch(run.rollout.rows, prompt_len, run.rollout.max_new_tokens, forks=bool(run.env.name),
+    self._template = empty_batch(run.rollout.rows, prompt_len, run.rollout.max_new_tokens, forks=run.env.episodic,
                                  routes=moe.replayed_routes(run.model), teacher=run.algorithm.distills,
                                  teacher_top_k=run.algorithm.teacher_top_k)
     self._model = to_json(run.model)

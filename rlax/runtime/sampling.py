@@ -44,14 +44,14 @@ class SamplerRole:
 
   def warm_up(self, parts) -> None:
     """Compiles the sampler's programs (every slot bucket and admission) before the first batch."""
-    extend = bool(self.run.env.name)
+    extend = self.run.env.episodic
     if extend:  # a multi-turn run compiles its extensions too: many programs
       allocator.check_memory_maps("building the sampler", need=allocator.MULTI_TURN_MAPS)
     parts.sampler.warm_up(parts.weights.latest()[0], builders.sampler_uses(self.run), extend=extend)
     self.judge(parts)  # loaded and compiled before the first batch too
     if (teacher := self.teacher(parts)) is not None:
       teacher.warm_up(self.run.rollout.rows, parts.sampler.max_prompt_len, self.run.rollout.max_new_tokens,
-                      forks=bool(self.run.env.name))
+                      forks=self.run.env.episodic)
     allocator.release_free_memory()  # what compiling left free
     allocator.check_memory_maps("the sampler's warm-up")
 

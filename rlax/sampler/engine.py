@@ -96,9 +96,12 @@ class Sampler:
     self.paged = isinstance(self.layout, layouts.Paged)
     self.attention = ("dense" if not self.paged else "paged_interpret" if self.layout.attention == "interpret"
                       else "paged")
-    self.decode_chunk, self.on_swap, self.shrink = decode_chunk, on_swap, shrink and not self.paged
-    self.admit_factor = admit_factor
-    self.prompt_buckets = warmup.prompt_buckets(max_prompt_len, prompt_factor)
+    self.decode_chunk, self.on_swap = decode_chunk, on_swap
+    self.sizes = warmup.sizes(slots, shards, paged=self.paged, on_swap=on_swap, max_prompt_len=max_prompt_len,
+                              max_new_tokens=max_new_tokens, shrink=shrink, admit_factor=admit_factor,
+                              prompt_factor=prompt_factor)
+    self.shrink, self.slot_buckets, self.prompt_buckets = (self.sizes.shrink, self.sizes.slot_buckets,
+                                                           self.sizes.prompt_widths)
     self.memory = sizing.sampler_memory(cfg, self.layout, slots, max_prompt_len + max_new_tokens, mesh)
     self.memory["budget"] = sizing.budget_or_default(memory_budget_bytes, self.devices)
     sizing.check({k: v for k, v in self.memory.items() if k != "budget"}, self.memory["budget"], slots,
@@ -121,7 +124,6 @@ class Sampler:
     self._cancel = self._jit("cancel", slots_lib.cancel, donate=(0,))
     self._grow = self._jit("grow", slots_lib.grow, donate=(0,))
     self._states: dict[int, tuple] = {}
-    self.slot_buckets = list(warmup.slot_buckets(slots, shards, self.shrink))  # the tail's decode sizes
     self.weights = weights if weights is not None else WeightsService()
     if params is not None:
       self.update_weights(params, version)
@@ -256,10 +258,8 @@ class Sampler:
     return warmup.extend_buckets(self.slots, self.max_new_tokens)
 
   def warm_up_calls(self, uses, *, extend: bool = False) -> list[tuple]:
-    """`warm_up`'s calls (rlax.sampler.warmup.calls) for these (samples per group, strategy) uses."""
-    return warmup.calls(self.slots, self.slot_buckets, uses, recompute=self.on_swap == "recompute", extend=extend,
-                        max_new_tokens=self.max_new_tokens, admit_factor=self.admit_factor,
-                        prompt_widths=self.prompt_buckets)
+    """`warm_up`'s calls (rlax.sampler.warmup.Sizes.calls) for these (samples per group, strategy) uses."""
+    return self.sizes.calls(uses, extend=extend)
 
   def warm_up(self, params, uses, *, extend: bool = False) -> None:
     """Runs every program a stream can call on empty states (each returns at once), so that a run compiles them
@@ -268,7 +268,7 @@ class Sampler:
     warmup.run(self, params, self.warm_up_calls(uses, extend=extend))
 
   def group_buckets(self, samples: int) -> tuple[int, ...]:
-    return warmup.group_buckets(self.slots, samples, self.admit_factor)
+    return self.sizes.group_buckets(samples)
 
   def decode(self, params, st, version, strategy, stop_at: int = 0):
     """One chunk: up to `decode_chunk` decode steps, ending once at most `stop_at` slots are running."""

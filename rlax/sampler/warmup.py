@@ -4,6 +4,7 @@ without building an engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Sequence
 
@@ -24,7 +25,7 @@ def prompt_buckets(max_prompt_len: int, factor: int) -> tuple[int, ...]:
 def slot_buckets(slots: int, shards: int, shrink: bool) -> tuple[int, ...]:
   """Slot counts a stream decodes on: slots halved down to slots/128 (a decode program each), none under one
   whole shard row; just `slots` without shrinking. A long tail of 1-4 rows decodes on 1-4 slots: on W4 that is
-  1.10x as fast as stopping at slots/16. Read by `Sampler` and `calls`."""
+  1.10x as fast as stopping at slots/16."""
   if not shrink:
     return (slots,)
   return tuple(b for b in (slots >> i for i in range(8)) if b and b % shards == 0)[::-1]
@@ -32,7 +33,7 @@ def slot_buckets(slots: int, shards: int, shrink: bool) -> tuple[int, ...]:
 
 def next_smaller(buckets: Sequence[int], size: int) -> int:
   """The bucket a stream of `size` slots shrinks to (0: none): one step at a time, so the shrink programs are
-  one per bucket, not one per pair. Read by `Stream` and `calls`."""
+  one per bucket, not one per pair. Read by `Stream` and `Sizes.calls`."""
   return max((b for b in buckets if b < size), default=0)
 
 
@@ -46,26 +47,48 @@ def extend_buckets(slots: int, max_new_tokens: int) -> tuple[tuple[int, ...], tu
   return prompts_lib.pow_buckets(1, slots, 4), prompts_lib.pow_buckets(4, max_new_tokens, 4)
 
 
-def calls(slots: int, buckets: Sequence[int], uses, *, recompute: bool, extend: bool, max_new_tokens: int,
-          admit_factor: int, prompt_widths: Sequence[int]) -> list[tuple]:
-  """Every call of a warm-up, in order: ("state", S), ("decode", S, strategy), ("recompute", S), ("cancel",
-  S), ("shrink", S, b), ("grow", S), ("extend", A, M), ("admission", G, strategy, q, P). uses: the (samples
-  per group, strategy) pairs a run samples with; extend: multi-turn extensions too; prompt_widths: the
-  prefill widths (`prompt_buckets`)."""
-  out = []
-  for S in reversed(buckets):
-    out.append(("state", S))
-    out += [("decode", S, strategy) for _, strategy in uses]
-    out += [("recompute", S)] * recompute + [("cancel", S)]
-    out += [("shrink", S, next_smaller(buckets, S))] * (S > buckets[0])
-    out += [("grow", S)] * (S < slots)
-  if extend:
-    rows, lengths = extend_buckets(slots, max_new_tokens)
-    out += [("extend", A, M) for A in rows for M in lengths]
-  for G, strategy in uses:
-    out += [("admission", G, strategy, q, P)
-            for q, P in itertools.product(group_buckets(slots, G, admit_factor), prompt_widths)]
-  return out
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+  """A sampler's compiled sizes, decided once by `sizes`: `Sampler` runs on them and `rlax.memory` counts the
+  programs of their warm-up without building an engine."""
+  slots: int
+  slot_buckets: tuple[int, ...]   # the tail's decode sizes (`slot_buckets`)
+  prompt_widths: tuple[int, ...]  # prefill widths (`prompt_buckets`)
+  admit_factor: int
+  max_new_tokens: int
+  recompute: bool                 # a weight swap recomputes the running rows' caches
+  shrink: bool
+
+  def group_buckets(self, samples: int) -> tuple[int, ...]:
+    return group_buckets(self.slots, samples, self.admit_factor)
+
+  def calls(self, uses, *, extend: bool = False) -> list[tuple]:
+    """Every call of a warm-up, in order: ("state", S), ("decode", S, strategy), ("recompute", S), ("cancel",
+    S), ("shrink", S, b), ("grow", S), ("extend", A, M), ("admission", G, strategy, q, P). uses: the (samples
+    per group, strategy) pairs a run samples with; extend: multi-turn extensions too."""
+    out, buckets = [], self.slot_buckets
+    for S in reversed(buckets):
+      out.append(("state", S))
+      out += [("decode", S, strategy) for _, strategy in uses]
+      out += [("recompute", S)] * self.recompute + [("cancel", S)]
+      out += [("shrink", S, next_smaller(buckets, S))] * (S > buckets[0])
+      out += [("grow", S)] * (S < self.slots)
+    if extend:
+      rows, lengths = extend_buckets(self.slots, self.max_new_tokens)
+      out += [("extend", A, M) for A in rows for M in lengths]
+    for G, strategy in uses:
+      out += [("admission", G, strategy, q, P)
+              for q, P in itertools.product(self.group_buckets(G), self.prompt_widths)]
+    return out
+
+
+def sizes(slots: int, shards: int, *, paged: bool, on_swap: str, max_prompt_len: int, max_new_tokens: int,
+          shrink: bool = True, admit_factor: int = ADMIT_FACTOR, prompt_factor: int = 0) -> Sizes:
+  """The sizes of a sampler of `slots` over `shards` row shards (see `Sampler` for the arguments). The paged
+  layout's pool is not laid out by slot: it never shrinks. Callers: `Sampler`, `rlax.memory`."""
+  shrink = shrink and not paged
+  return Sizes(slots, slot_buckets(slots, shards, shrink), prompt_buckets(max_prompt_len, prompt_factor),
+               admit_factor, max_new_tokens, on_swap == "recompute", shrink)
 
 
 def programs(warm_calls: Sequence[tuple]) -> set:

@@ -23,6 +23,12 @@ from rlax.teachers.teacher import Teacher
 from rlax.trainer.batch import TEACHER_FIELDS, RolloutBatch
 
 
+def programs_each(forks: bool) -> int:
+  """Scoring programs each teacher compiles in a run: a padded batch's, and where episodes fork the packed rows'
+  (`Teachers.warm_up`; a call's rows are fixed: `call_rows`). Counted by rlax.memory."""
+  return 1 + bool(forks)
+
+
 def route(records: Sequence[Any], names: Sequence[str], field: str) -> np.ndarray:
   """Each record's teacher name: its `metadata[field]` when a teacher has that name, else DEFAULT."""
   known = set(names)

@@ -104,9 +104,14 @@ def test_the_warm_up_compiles_the_programs_its_plan_counts():
   from rlax.sampler import warmup
   cs = S.Sampler(CFG, max_prompt_len=40, max_new_tokens=18, slots=8, decode_chunk=3, params=P0, prompt_factor=2)
   uses = ((2, S.Temperature(0.7)), (1, S.Greedy()))
-  planned = warmup.programs(warmup.calls(8, warmup.slot_buckets(8, 1, True), uses, recompute=True, extend=True,
-                                         max_new_tokens=18, admit_factor=2, prompt_widths=(32, 40)))
-  assert planned == warmup.programs(cs.warm_up_calls(uses, extend=True))
+  sizes = warmup.sizes(8, 1, paged=False, on_swap="recompute", max_prompt_len=40, max_new_tokens=18, prompt_factor=2)
+  assert (sizes.slot_buckets, sizes.prompt_widths, sizes.group_buckets(2)) == ((1, 2, 4, 8), (32, 40), (1, 2, 4))
+  planned = warmup.programs(sizes.calls(uses, extend=True))
+  assert sizes == cs.sizes and planned == warmup.programs(cs.warm_up_calls(uses, extend=True))
+  # Per slot bucket: a state, 2 decodes, a recompute, a cancel; a shrink to the next smaller (3) and a grow (3);
+  # extensions: rows 1, 4, 8 x lengths 4, 16, 18; prefills: 1, 2, 4, 8 prompts x 2 widths (G=2 shares G=1's);
+  # admits: 3 (G=2) + 4 (G=1); the fuse.
+  assert len(planned) == 4 * 5 + 3 + 3 + 3 * 3 + 4 * 2 + 3 + 4 + 1
   params = cs.weights_source()()[0]
   jax.random.key_data(jax.random.key(0))  # the warm-up's key: compiled once a process, not the engine's
   cs.fused(params)  # the weights' fuse: one per model, whichever engine compiled it first
