@@ -1,15 +1,16 @@
-"""W1 generation, this checkout against another, in turns: each side runs in its own process and they take
+"""W1 generation (or W4, W6), this checkout against another, in turns: each side runs in its own process and they take
 turns one `generate` call at a time, so a host whose speed drifts from minute to minute (up to 2.7x from day to
 day here) slows both sides alike. Separate runs of `bench/sampler.py` a minute apart differ by ±15% on this
 host; taking turns, by ~1%.
 
     python bench/ab.py --other=/path/to/other/checkout          # e.g. `git worktree add /tmp/base <commit>`
     python bench/ab.py --other=... --calls=40 --workload=w4
+    python bench/ab.py --other=... --calls=12 --workload=w6   # bench/episodes.py's extend: 64 episodes x 4 turns
 
 Each call is timed whole (W1: 128 rows x 64 tokens, and the same call with every row's limit 1: prefill and
-admission; decode per step is their difference / 63), after two untimed calls that compile. The workers import
-this checkout's `bench/workload.py` and each its own `rlax`, of which they use only `Sampler(...)` and
-`generate`. The last output line is one JSON object: each side's medians and this / other.
+admission; decode per step is their difference / 63), after untimed calls that compile. The workers import
+this checkout's `bench/workload.py` and `bench/episodes.py` and each its own `rlax`, of which they use only
+`Sampler(...)`, `generate` and (W6) `rlax.envs`' episodes. The last output line is one JSON object: each side's medians and this / other.
 """
 
 import json
@@ -21,11 +22,13 @@ import time
 
 from absl import app, flags
 
+import episodes  # noqa: F401 (its flags too)
 import workload
 
 flags.DEFINE_string("other", None, "the other checkout's root directory")
 flags.DEFINE_integer("calls", 30, "timed calls per side and limit")
-flags.DEFINE_enum("workload", "w1", ["w1", "w4"], "w1: fixed lengths (and limit 1); w4: long-tailed lengths")
+flags.DEFINE_enum("workload", "w1", ["w1", "w4", "w6"], "w1: fixed lengths (and limit 1); w4: long-tailed "
+                  "lengths; w6: multi-turn episodes kept in their slots (bench/episodes.py's extend)")
 flags.DEFINE_boolean("worker", False, "internal: serve timed calls on stdin / stdout")
 FLAGS = flags.FLAGS
 
@@ -37,6 +40,15 @@ def _worker() -> None:
   import jax
   from rlax import models as M
   from rlax import sampler as S
+  if FLAGS.workload == "w6":
+    engine, run = episodes.extend_setup()[-2:]
+    episodes.warm(run(), engine)
+    print("ready", os.path.abspath(M.__file__), flush=True)
+    for _ in sys.stdin:
+      t = time.perf_counter()
+      run()()
+      print(f"{time.perf_counter() - t:.6f}", flush=True)
+    return
   cfg = workload.model_config()
   params = M.create_params(cfg, seed=0)
   rng = np.random.default_rng(0)
@@ -69,7 +81,8 @@ def _spawn(root: str) -> subprocess.Popen:
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
   argv = [sys.executable, os.path.abspath(__file__), "--worker", f"--workload={FLAGS.workload}"]
   argv += [f"--{k}={FLAGS[k].value}" for k in ("vocab", "d_model", "layers", "heads", "kv_heads", "head_dim", "mlp",
-                                                "dtype", "prompts", "prompt_len", "samples", "new_tokens")]
+                                                "dtype", "prompts", "prompt_len", "samples", "new_tokens")
+           if FLAGS[k].present]  # the workload's own defaults otherwise (W6: 16 prompts x 4)
   p = subprocess.Popen(argv, cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                        stderr=subprocess.DEVNULL, text=True)
   word, _, where = p.stdout.readline().strip().partition(" ")
@@ -87,7 +100,7 @@ def main(_):
     raise app.UsageError(f"--other={FLAGS.other}: not an rlax checkout")
   here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   sides = {"this": _spawn(here), "other": _spawn(os.path.abspath(FLAGS.other))}
-  limits = (0,) if FLAGS.workload == "w4" else (FLAGS.new_tokens, 1)
+  limits = (FLAGS.new_tokens, 1) if FLAGS.workload == "w1" else (0,)
   times = {(s, n): [] for s in sides for n in limits}
   try:
     for i in range(FLAGS.calls):

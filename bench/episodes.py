@@ -71,20 +71,14 @@ def episodes_setup(turns: int):
   return cfg, M.create_params(cfg, seed=0), rng, prompts, limits
 
 
-def main(_):
-  from rlax.allocator import set_up, using_tcmalloc
-  set_up()
-  import jax
+def extend_calls(engine, prompts, limits, answers):
+  """W6's `extend` variant on `engine` (a Sampler of the checkout on sys.path): extend(delay, sync) -> call()
+  runs the episodes once (len(prompts) x samples, limits [E, turns], tool answers [E, turns, A]); each call a
+  new seed. Callers: main, bench/ab.py."""
   from rlax import envs
   from rlax import sampler as S
-
-  K, A = FLAGS.turns, FLAGS.tool_tokens
-  cfg, params, rng, prompts, limits = episodes_setup(K)
-  P, G, L = FLAGS.prompts, FLAGS.samples, FLAGS.prompt_len
-  E = P * G
-  answers = rng.integers(3, FLAGS.vocab, (E, K, A))
-  useful = int(limits.sum())
-  budget = FLAGS.turn_max * K + A * (K - 1)
+  P, (E, K) = len(prompts), limits.shape
+  useful, state = int(limits.sum()), {"seed": 0}
 
   class Tool(envs.Environment):
     """Episode e: turn k samples limits[e, k] tokens; the tool answers answers[e, k] (after `delay` s)."""
@@ -105,9 +99,6 @@ def main(_):
       return envs.StepResult(tokens=answers[self.e, k].tolist(), max_new_tokens=int(limits[self.e, k + 1]),
                              calls=("ok",))
 
-  slots = S.Sampler(cfg, max_prompt_len=L, max_new_tokens=budget, slots=E, decode_chunk=16, params=params)
-  state = {"seed": 0}
-
   def extend(delay=0.0, sync=False):
     def call():
       state["seed"] += 1
@@ -117,11 +108,37 @@ def main(_):
         made.append(Tool(len(made), delay))
         return made[-1]
       # make_env is called G times per record, in record order: episode e = record * G + sample.
-      with envs.EpisodeStream(slots.stream(S.Temperature(1.0)), make, sync=sync) as eps:
-        done = eps.run(list(range(P)), samples_per_prompt=G, seed=state["seed"])
+      with envs.EpisodeStream(engine.stream(S.Temperature(1.0)), make, sync=sync) as eps:
+        done = eps.run(list(range(P)), samples_per_prompt=E // P, seed=state["seed"])
       n = sum(int(f.out.sampled.sum()) for f in done)
       assert n == useful, (n, useful)
     return call
+  return extend
+
+
+def extend_setup():
+  """W6's extend variant from the flags: (cfg, params, prompts, limits, answers, budget, engine, extend) with
+  `extend` as `extend_calls` gives it. Callers: main, bench/ab.py."""
+  from rlax import sampler as S
+  K, A = FLAGS.turns, FLAGS.tool_tokens
+  cfg, params, rng, prompts, limits = episodes_setup(K)
+  answers = rng.integers(3, FLAGS.vocab, (limits.shape[0], K, A))
+  budget = FLAGS.turn_max * K + A * (K - 1)
+  engine = S.Sampler(cfg, max_prompt_len=FLAGS.prompt_len, max_new_tokens=budget, slots=limits.shape[0],
+                     decode_chunk=16, params=params)
+  return cfg, params, prompts, limits, answers, budget, engine, extend_calls(engine, prompts, limits, answers)
+
+
+def main(_):
+  from rlax.allocator import set_up, using_tcmalloc
+  set_up()
+  import jax
+  from rlax import sampler as S
+
+  cfg, params, prompts, limits, answers, budget, slots, extend = extend_setup()
+  (E, K), G, L = limits.shape, FLAGS.samples, FLAGS.prompt_len
+  useful = int(limits.sum())
+  state = {"seed": 0}
 
   again = S.Sampler(cfg, max_prompt_len=L + budget, max_new_tokens=FLAGS.turn_max, slots=E, decode_chunk=16,
                     params=params)
@@ -149,7 +166,7 @@ def main(_):
   flops = 2.0 * workload.matmul_params(cfg) * useful
   # The stall a blocking tool adds; where the run's noise exceeds it the share is not measured (None).
   hidden = (t_sync - t_async) / (t_sync - t_ext) if t_sync > t_ext else None
-  result = dict(workload="w6", episodes=E, turns=K, useful_tokens=useful, appended_tokens=int(E * (K - 1) * A),
+  result = dict(workload="w6", episodes=E, turns=K, useful_tokens=useful, appended_tokens=int(E * (K - 1) * FLAGS.tool_tokens),
                 extend_s=t_ext, extend_runs=ext_runs, extend_tokens_per_s=useful / t_ext,
                 reprefill_s=t_re, reprefill_runs=re_runs, reprefill_tokens_per_s=useful / t_re,
                 extend_vs_reprefill=t_re / t_ext, tool_ms=FLAGS.tool_ms, tool_async_s=t_async, tool_sync_s=t_sync,

@@ -181,7 +181,7 @@ def episodes(run: RunConfig, tok: Tokenizer, render: PromptRenderer, reward, poo
   verifier pool. keys=True (training): tool calls are journaled in <workdir>/tool_journal.jsonl, so a resumed
   run replays the calls the killed one had finished. `make.close()` stops the run's retrieval service."""
   e = run.env
-  if not e.name:
+  if not e.episodic:
     return envs.single_turn_episodes(render, reward, pool.grade)
   factory = envs.get(e.name)
   ctx = envs.EnvContext(tokenizer=tok, render=render, reward_fn=reward, grade=pool.grade, pool=pool, config=e,

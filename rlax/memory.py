@@ -318,16 +318,11 @@ def _judge_bytes(run: RunConfig, mesh: AbstractMesh, isz: int, platform: str) ->
   if run.reward.name != "judge":
     return 0, 0.0
   j, slots, tensor = run.judge, builders.judge_slots(run), dict(mesh.shape)["tensor"]
-  jcfg, layout = _judge_model(run, platform)
+  jcfg = hf.read_config(j.hf_checkpoint, dtype=run.model.dtype)
+  layout = make_layout(jcfg, "auto", j.max_prompt_len, j.max_new_tokens, platform=platform)
   mem = sizing.sampler_memory(jcfg, layout, slots, j.max_prompt_len + j.max_new_tokens, mesh)
   sampling = _SAMPLING_COPIES * slots // shd.row_shards(mesh, slots) * _split(jcfg.vocab_size, tensor) * 4
   return int(mem["params"] + mem["cache"] + _fused_bytes(jcfg, mesh, isz, platform, layout)), sampling
-
-
-def _judge_model(run: RunConfig, platform: str) -> tuple[models.ModelConfig, layouts.Dense | layouts.Paged]:
-  j = run.judge
-  jcfg = hf.read_config(j.hf_checkpoint, dtype=run.model.dtype)
-  return jcfg, make_layout(jcfg, "auto", j.max_prompt_len, j.max_new_tokens, platform=platform)
 
 
 def compiled_programs(run: RunConfig, tmesh: AbstractMesh, smesh: AbstractMesh, platform: str,
@@ -347,9 +342,8 @@ def compiled_programs(run: RunConfig, tmesh: AbstractMesh, smesh: AbstractMesh, 
   out += [(teachers.programs_each(run.env.episodic), hf.read_config(path).n_layers)
           for path in (run.teacher.dirs().values() if run.algorithm.distills else ())]
   if run.reward.name == "judge":
-    jcfg, layout = _judge_model(run, platform)
-    judging = judges.sizes(run.judge, builders.judge_slots(run), isinstance(layout, layouts.Paged))
-    out.append((len(warmup.programs(judging.calls(judges.USES))), jcfg.n_layers))
+    judging = judges.sizes(run.judge, builders.judge_slots(run)).calls(judges.USES)
+    out.append((len(warmup.programs(judging)), hf.read_config(run.judge.hf_checkpoint).n_layers))
   return out
 
 

@@ -11,10 +11,10 @@ from rlax import judges
 from rlax import memory
 from rlax import memory_check
 from rlax import topology
-from rlax.models import hf
-from rlax.sampler import warmup
 from rlax.data.records import Record, write_jsonl
+from rlax.models import hf
 from rlax.runtime import Controller
+from rlax.sampler import warmup
 
 PROMPTS = ["what is two plus two?", "solve twelve plus thirty", "the cat sat on the mat", "hi"]
 TEMPLATE = judges_harness.TEMPLATE

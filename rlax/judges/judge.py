@@ -52,10 +52,11 @@ def engine(config: JudgeConfig, model_cfg, mesh, *, slots: int, params=None, eos
                  **_SIZES, **kw)
 
 
-def sizes(config: JudgeConfig, slots: int, paged: bool) -> warmup.Sizes:
-  """The judge engine's compiled sizes without building it (it never shrinks: its mesh's row shards do not
-  matter). rlax.memory counts the programs of their warm-up."""
-  return warmup.sizes(slots, 1, paged=paged, max_prompt_len=config.max_prompt_len,
+def sizes(config: JudgeConfig, slots: int) -> warmup.Sizes:
+  """The judge engine's compiled sizes without building it: it never shrinks, so neither its mesh's row shards
+  nor its cache layout change them. rlax.memory counts the programs of their warm-up."""
+  assert not _SIZES["shrink"]
+  return warmup.sizes(slots, 1, paged=False, max_prompt_len=config.max_prompt_len,
                       max_new_tokens=config.max_new_tokens, **_SIZES)
 
 
@@ -140,7 +141,7 @@ class Judge:
     `deadline`, perf_counter seconds)."""
     if not prompts:
       return []
-    stream = self.engine.stream(strategies.Greedy())
+    stream = self.engine.stream(USES[0][1])
     stream.submit(prompts, tags=range(len(prompts)))
     done = {}
     while stream.pending and time.perf_counter() < deadline:
