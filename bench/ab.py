@@ -10,7 +10,8 @@ host; taking turns, by ~1%.
 Each call is timed whole (W1: 128 rows x 64 tokens, and the same call with every row's limit 1: prefill and
 admission; decode per step is their difference / 63), after untimed calls that compile. The workers import
 this checkout's `bench/workload.py` and `bench/episodes.py` and each its own `rlax`, of which they use only
-`Sampler(...)`, `generate` and (W6) `rlax.envs`' episodes. The last output line is one JSON object: each side's medians and this / other.
+`Sampler(...)`, `generate` and (W6) `rlax.envs`' episodes. The last output line is one JSON object: each side's
+medians and this / other.
 """
 
 import json

@@ -166,7 +166,8 @@ def main(_):
   flops = 2.0 * workload.matmul_params(cfg) * useful
   # The stall a blocking tool adds; where the run's noise exceeds it the share is not measured (None).
   hidden = (t_sync - t_async) / (t_sync - t_ext) if t_sync > t_ext else None
-  result = dict(workload="w6", episodes=E, turns=K, useful_tokens=useful, appended_tokens=int(E * (K - 1) * FLAGS.tool_tokens),
+  appended = int(E * (K - 1) * FLAGS.tool_tokens)
+  result = dict(workload="w6", episodes=E, turns=K, useful_tokens=useful, appended_tokens=appended,
                 extend_s=t_ext, extend_runs=ext_runs, extend_tokens_per_s=useful / t_ext,
                 reprefill_s=t_re, reprefill_runs=re_runs, reprefill_tokens_per_s=useful / t_re,
                 extend_vs_reprefill=t_re / t_ext, tool_ms=FLAGS.tool_ms, tool_async_s=t_async, tool_sync_s=t_sync,

@@ -100,8 +100,6 @@ class Sampler:
     self.sizes = warmup.sizes(slots, shards, paged=self.paged, on_swap=on_swap, max_prompt_len=max_prompt_len,
                               max_new_tokens=max_new_tokens, shrink=shrink, admit_factor=admit_factor,
                               prompt_factor=prompt_factor)
-    self.shrink, self.slot_buckets, self.prompt_buckets = (self.sizes.shrink, self.sizes.slot_buckets,
-                                                           self.sizes.prompt_widths)
     self.memory = sizing.sampler_memory(cfg, self.layout, slots, max_prompt_len + max_new_tokens, mesh)
     self.memory["budget"] = sizing.budget_or_default(memory_budget_bytes, self.devices)
     sizing.check({k: v for k, v in self.memory.items() if k != "budget"}, self.memory["budget"], slots,
@@ -269,6 +267,18 @@ class Sampler:
 
   def group_buckets(self, samples: int) -> tuple[int, ...]:
     return self.sizes.group_buckets(samples)
+
+  @property
+  def shrink(self) -> bool:
+    return self.sizes.shrink
+
+  @property
+  def slot_buckets(self) -> tuple[int, ...]:
+    return self.sizes.slot_buckets
+
+  @property
+  def prompt_buckets(self) -> tuple[int, ...]:
+    return self.sizes.prompt_widths
 
   def decode(self, params, st, version, strategy, stop_at: int = 0):
     """One chunk: up to `decode_chunk` decode steps, ending once at most `stop_at` slots are running."""
