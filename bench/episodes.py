@@ -36,12 +36,14 @@ FLAGS = flags.FLAGS
 
 
 def warm(fn, engine):
-  """Calls fn until a call compiles nothing new (which rows extend together depends on when the environment's
-  answers arrive, so one call need not see every bucket)."""
-  seen = -1
-  for _ in range(8):
+  """Calls fn until two calls in a row compile nothing new (which rows extend together depends on when the
+  environment's answers arrive, so one call need not see every bucket; timed calls that compile are still
+  possible: `bench/ab.py` leaves them out)."""
+  seen, quiet = -1, 0
+  for _ in range(10):
     fn()
-    if sum(engine.trace_counts.values()) == seen:
+    quiet = quiet + 1 if sum(engine.trace_counts.values()) == seen else 0
+    if quiet == 2:
       return
     seen = sum(engine.trace_counts.values())
 

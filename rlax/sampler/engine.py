@@ -117,7 +117,8 @@ class Sampler:
     stacked, joined = params_lib.fused_layout(cfg, self.layout, platform)
     self.fused = params_lib.Fused(cfg, self._jit, stacked=stacked, joined=joined, ctx=self.ctx)
     self._recompute = self._jit("recompute", functools.partial(slots_lib.recompute, cfg=cfg, **lay), donate=(1,))
-    self._extend = self._jit("extend", functools.partial(slots_lib.extend, cfg=cfg, **lay), donate=(1,))
+    self._extend = self._jit("extend", functools.partial(slots_lib.extend, cfg=cfg, **lay), static=("block",),
+                             donate=(1,))
     self._gather = self._jit("shrink", slots_lib.gather)
     self._cancel = self._jit("cancel", slots_lib.cancel, donate=(0,))
     self._grow = self._jit("grow", slots_lib.grow, donate=(0,))
@@ -240,17 +241,20 @@ class Sampler:
 
   def extension(self, params, st, slot_ids, appends, limits, stops, version: int):
     """Appends appends[a] (token lists) to the stopped rows in slots slot_ids[a], which then decode up to
-    limits[a] with stops[a] as extra stop ids: one compiled call, rows and lengths padded to `extend_buckets`."""
-    A_b, M_b = self.extend_buckets()
-    A = prompts_lib.bucket(len(slot_ids), A_b)
-    M = prompts_lib.bucket(max([1] + [len(x) for x in appends]), M_b)
+    limits[a] with stops[a] as extra stop ids: one compiled call, rows padded to `extend_buckets`, the appended
+    tokens fed in blocks (`warmup.extend_block`)."""
+    rows, blocks = self.extend_buckets()
+    A = prompts_lib.bucket(len(slot_ids), rows)
+    block = warmup.extend_block(blocks, max([1] + [len(x) for x in appends]))
     ids = np.full(A, st.t.shape[0], np.int32)  # padding: dropped
-    append, n_append = np.zeros((A, M), np.int32), np.zeros(A, np.int32)
-    lim, stop_ids = np.zeros(A, np.int32), np.full((A, slots_lib.MAX_STOP_IDS), -1, np.int32)
+    append = np.zeros((A, warmup.extend_width(block, self.max_new_tokens)), np.int32)
+    n_append, lim, stop_ids = np.zeros(A, np.int32), np.zeros(A, np.int32), np.full((A, slots_lib.MAX_STOP_IDS), -1,
+                                                                                   np.int32)
     for a, (slot, toks, limit, stop) in enumerate(zip(slot_ids, appends, limits, stops)):
       ids[a], append[a, :len(toks)], n_append[a], lim[a] = slot, toks, len(toks), limit
       stop_ids[a, :len(stop)] = stop
-    return self.extend(params, st, *map(self.put, (ids, append, n_append, lim, stop_ids)), version)
+    return self._extend(self.fused(params), st, *map(self.put, (ids, append, n_append, lim, stop_ids)),
+                        np.int32(version), block=block)
 
   def extend_buckets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return warmup.extend_buckets(self.slots, self.max_new_tokens)
@@ -287,9 +291,6 @@ class Sampler:
 
   def recompute(self, params, st):
     return self._recompute(self.fused(params), st)
-
-  def extend(self, params, st, slot_ids, append, n_append, limits, stop_ids, version):
-    return self._extend(self.fused(params), st, slot_ids, append, n_append, limits, stop_ids, np.int32(version))
 
   # The index and mask arguments are cast to host arrays here: a device array's sharding is part of a program's
   # key, so the warm-up's and a stream's calls would otherwise compile twice.

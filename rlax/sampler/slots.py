@@ -174,32 +174,45 @@ def decode_chunk(fused, st: SlotState, version, n_steps, stop_at, *, cfg: models
 
 
 def extend(fused, st: SlotState, slot_ids, append, n_append, limits, stop_ids, version, *, cfg: models.ModelConfig,
-           layout) -> SlotState:
+           layout, block: int) -> SlotState:
   """Appends tokens append[a, :n_append[a]] to the stopped row in slot slot_ids[a] (ids >= S: padding) and makes
   it run again until t = limits[a]: the keys and values of its last token and of all appended tokens but the
   last are written into its cache over the cached prefix (no re-prefill), the last appended token is fed by the
-  next decode step. Appended tokens are not sampled: log-prob 0, sampled False, the version in force."""
+  next decode step. Appended tokens are not sampled: log-prob 0, sampled False, the version in force.
+
+  The fed tokens go through the model `block` at a time, in a loop of as many blocks as the longest append
+  needs: one program serves every append length up to append's width (a multiple of `block`)."""
   S, N = st.tokens.shape
+  A, M = append.shape
+  assert M % block == 0, (M, block)
   sid = jnp.clip(slot_ids, 0, S - 1)
   ok = slot_ids < S
+  rows = jnp.where(ok, sid, S)
   n_prompt, t = st.n_prompt[sid], st.t[sid]
   start = n_prompt + t - 1  # index of the row's last token, not yet cached
   feed = jnp.concatenate([st.last[sid][:, None], append[:, :-1]], axis=1)
-  past = layout.past(st.cache, sid, n_prompt, start)
-  _, k, v, chosen = step_lib.forward(fused, cfg, feed, start, n_append, past)
-  cache = layout.write(st.cache, jnp.where(ok, slot_ids, S), k, v, start, n_append, n_prompt)
-  M = append.shape[1]
-  if st.routes is not None:  # the fed tokens' experts, at their sequence indices
-    fed = jnp.where(jnp.arange(M)[None] < n_append[:, None], start[:, None] + jnp.arange(M)[None], st.routes.shape[1])
-    st = st.replace(routes=_put_routes(st.routes, jnp.where(ok, sid, S), fed, chosen))
-  rows = jnp.where(ok[:, None], sid[:, None], S)
+  j = jnp.arange(block)[None]
+
+  def one(i, carry):  # block i: fed tokens i * block .. (i + 1) * block - 1, over the cache written so far
+    cache, routes = carry
+    at, count = start + i * block, jnp.clip(n_append - i * block, 0, block)
+    past = layout.past(cache, sid, n_prompt, at)
+    _, k, v, chosen = step_lib.forward(fused, cfg, jax.lax.dynamic_slice_in_dim(feed, i * block, block, 1), at,
+                                       count, past)
+    cache = layout.write(cache, rows, k, v, at, count, n_prompt)
+    if routes is not None:  # the fed tokens' experts, at their sequence indices
+      routes = _put_routes(routes, rows, jnp.where(j < count[:, None], at[:, None] + j, routes.shape[1]), chosen)
+    return cache, routes
+
+  cache, routes = jax.lax.fori_loop(0, (jnp.max(n_append) + block - 1) // block, one, (st.cache, st.routes))
   cols = t[:, None] + jnp.arange(M)[None]
   cols = jnp.where(jnp.arange(M)[None] < n_append[:, None], cols, N)  # past the appended tokens: dropped
-  put = lambda x, y: x.at[rows, cols].set(y, mode="drop")
-  row_put = lambda x, y: x.at[jnp.where(ok, sid, S)].set(y, mode="drop")
+  put = lambda x, y: x.at[rows[:, None], cols].set(y, mode="drop")
+  row_put = lambda x, y: x.at[rows].set(y, mode="drop")
   last = jnp.take_along_axis(append, jnp.clip(n_append - 1, 0, M - 1)[:, None], axis=1)[:, 0]
   return st.replace(
-      cache=cache, tokens=put(st.tokens, append.astype(jnp.int32)), logprobs=put(st.logprobs, jnp.zeros(append.shape)),
+      cache=cache, routes=routes, tokens=put(st.tokens, append.astype(jnp.int32)),
+      logprobs=put(st.logprobs, jnp.zeros(append.shape)),
       versions=put(st.versions, jnp.broadcast_to(version, append.shape).astype(jnp.int32)),
       sampled=put(st.sampled, jnp.zeros(append.shape, bool)), t=row_put(st.t, t + n_append),
       limit=row_put(st.limit, limits.astype(jnp.int32)), done=row_put(st.done, jnp.zeros(sid.shape, bool)),

@@ -42,9 +42,26 @@ def group_buckets(slots: int, samples: int, admit_factor: int) -> tuple[int, ...
   return prompts_lib.pow_buckets(1, slots // samples, admit_factor)
 
 
+EXTEND_BLOCKS = (8, 64)  # appended tokens are fed this many at a time (`extend_block`)
+
+
 def extend_buckets(slots: int, max_new_tokens: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """Rows and appended lengths an extension is padded to (factor-4 steps: one program each)."""
-  return prompts_lib.pow_buckets(1, slots, 4), prompts_lib.pow_buckets(4, max_new_tokens, 4)
+  """Rows an extension is padded to (1, 2, 4, ...: each padded row costs as much as a real one) and the blocks
+  its appended tokens are fed in (a loop over blocks, any length: one program per rows and block). Factor-4
+  rows with appends padded to factor-4 lengths made W6 0.84x as fast as these shapes."""
+  return prompts_lib.pow2_buckets(1, slots), tuple(sorted({min(b, max_new_tokens) for b in EXTEND_BLOCKS}))
+
+
+def extend_block(blocks: Sequence[int], longest: int) -> int:
+  """The block an extension whose longest append has `longest` tokens runs in: the largest that does not exceed
+  it (padding under 2x; at most 8 loops below the largest block), else the smallest. Callers: `Sampler.extension`
+  (and through it the warm-up, whose appends are one block long)."""
+  return max((b for b in blocks if b <= longest), default=blocks[0])
+
+
+def extend_width(block: int, max_new_tokens: int) -> int:
+  """The appended tokens' array width for `block`: the budget rounded up to whole blocks."""
+  return -(-max_new_tokens // block) * block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +81,7 @@ class Sizes:
 
   def calls(self, uses, *, extend: bool = False) -> list[tuple]:
     """Every call of a warm-up, in order: ("state", S), ("decode", S, strategy), ("recompute", S), ("cancel",
-    S), ("shrink", S, b), ("grow", S), ("extend", A, M), ("admission", G, strategy, q, P). uses: the (samples
+    S), ("shrink", S, b), ("grow", S), ("extend", A, block), ("admission", G, strategy, q, P). uses: the (samples
     per group, strategy) pairs a run samples with; extend: multi-turn extensions too."""
     out, buckets = [], self.slot_buckets
     for S in reversed(buckets):
@@ -74,8 +91,8 @@ class Sizes:
       out += [("shrink", S, next_smaller(buckets, S))] * (S > buckets[0])
       out += [("grow", S)] * (S < self.slots)
     if extend:
-      rows, lengths = extend_buckets(self.slots, self.max_new_tokens)
-      out += [("extend", A, M) for A in rows for M in lengths]
+      rows, blocks = extend_buckets(self.slots, self.max_new_tokens)
+      out += [("extend", A, block) for A in rows for block in blocks]
     for G, strategy in uses:
       out += [("admission", G, strategy, q, P)
               for q, P in itertools.product(self.group_buckets(G), self.prompt_widths)]
@@ -127,9 +144,9 @@ def _make(engine, params, warm_calls: Sequence[tuple], key) -> None:
       engine.gather(st, np.arange(a[1]))
     elif kind == "grow":
       engine.grow(st)
-    elif kind == "extend":
-      A, M = a
-      st = engine.extension(params, engine.empty(), [engine.slots] * A, [[0] * M] * A, [1] * A, [[]] * A, 0)
+    elif kind == "extend":  # appends one block long: that block's program (`extend_block`)
+      A, block = a
+      st = engine.extension(params, engine.empty(), [engine.slots] * A, [[0] * block] * A, [1] * A, [[]] * A, 0)
     else:  # an admission of q groups of G at prompt width P
       G, strategy, q, P = a
       st = engine.admission(params, engine.empty(), np.zeros((q, engine.max_prompt_len), np.int32),

@@ -30,17 +30,18 @@ def run_episodes(cs, strategy, prompts, turns, *, seed=0, first=3, then=4, weigh
   stream = cs.stream(strategy, weights=weights)
   stream.submit(prompts, samples_per_prompt=1, seed=seed, max_new_tokens=first, hold=True)
   turn = {i: 0 for i in range(len(prompts))}
+  replies = turns if isinstance(turns, dict) else {i: turns for i in turn}  # {prompt index: its replies}
   done = {}
   while stream.pending:
     for g in stream.step():
       (req,) = g.requests
-      if turn[g.tag] == len(turns):
+      if turn[g.tag] == len(replies[g.tag]):
         done[g.tag] = g.out
         stream.release(req)
         continue
       if before_turn is not None:
         before_turn(turn[g.tag])
-      assert stream.extend(req, turns[turn[g.tag]], max_new_tokens=then)
+      assert stream.extend(req, replies[g.tag][turn[g.tag]], max_new_tokens=then)
       turn[g.tag] += 1
   return done
 
@@ -106,6 +107,19 @@ def test_sampled_turns_match_the_reference(attention):
   assert sorted(done) == [0, 1, 2, 3]
   for i, out in done.items():
     check_episode(out, PROMPTS[i], ENV, 3, 4, lambda v: P0, 4, i)
+
+
+@pytest.mark.parametrize("attention", ["dense", "paged"])
+def test_replies_longer_than_a_block_are_fed_in_several(attention):
+  """Replies of 13 and 2 tokens extended in one call run in blocks of 8 (`warmup.extend_block`): two loops, the
+  second writing only the long reply's last 5 fed tokens over the cache the first wrote."""
+  cs = make(attention)
+  assert cs.extend_buckets()[1] == (8, 24)
+  replies = {0: [list(range(40, 53))], 1: [[9, 10]]}
+  done = run_episodes(cs, S.Temperature(1.0), PROMPTS[:2], replies, seed=3)
+  assert cs.trace_counts["extend"] == 1  # one program for both lengths
+  for i, out in done.items():
+    check_episode(out, PROMPTS[i], replies[i], 3, 4, lambda v: P0, 3, i)
 
 
 def test_interpreted_kernel_extends_like_the_reference():
