@@ -173,7 +173,8 @@ def main(_):
                 extend_s=t_ext, extend_runs=ext_runs, extend_tokens_per_s=useful / t_ext,
                 reprefill_s=t_re, reprefill_runs=re_runs, reprefill_tokens_per_s=useful / t_re,
                 extend_vs_reprefill=t_re / t_ext, tool_ms=FLAGS.tool_ms, tool_async_s=t_async, tool_sync_s=t_sync,
-                tool_async_runs=runs["async"], tool_sync_runs=runs["sync"], tool_latency_hidden=hidden, matmul_flops_per_s=peak,
+                tool_async_runs=runs["async"], tool_sync_runs=runs["sync"], tool_latency_hidden=hidden,
+                matmul_flops_per_s=peak,
                 extend_share_of_matmul=flops / t_ext / peak, compiles_extend=sum(slots.trace_counts.values()),
                 compiles_reprefill=sum(again.trace_counts.values()), jax=jax.__version__, tcmalloc=using_tcmalloc())
   print(f"extend {t_ext:.2f} s ({useful / t_ext:,.0f} useful tok/s) vs re-prefill {t_re:.2f} s "

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
 from rlax import builders
-from rlax import judges
+from rlax import compiled
 from rlax import models
 from rlax import run as run_lib
 from rlax import services
@@ -44,7 +44,6 @@ from rlax.models import sharding as shd
 from rlax.models import variation
 from rlax.sampler import layouts, sizing
 from rlax.sampler import params as params_lib
-from rlax.sampler import warmup
 from rlax.sampler.layouts import make_layout
 
 GIB = 2 ** 30
@@ -67,14 +66,6 @@ _SAMPLING_COPIES = 4
 TRAINER_ITEMS = ("params", "opt_state", "grads", "ref_params", "critic", "batch", "activations", "logits")
 SAMPLER_ITEMS = ("weights", "spare_weights", "pristine_base", "fused", "kv_cache", "teacher", "judge", "scratch")
 HOST_ITEMS = ("runtime", "checkpoint")
-# The process before its programs: Python, JAX/XLA, tokenizer and records (after the warm-up, free pages returned).
-_PROCESS_BYTES = int(0.5 * 2 ** 30)
-# The host heap a compiled program holds, as loaded from the persistent cache (XLA:CPU keeps more of a loaded
-# executable than of one it compiled: 40.0 against 23.7 MiB a program over the calculator run's 54 sampler
-# programs, SmolLM2-135M's 30 layers; a one-layer program 3 MiB; 2026-12-07): a part per program, one per layer.
-PROGRAM_BYTES = 3 * 2 ** 20
-PROGRAM_LAYER_BYTES = int(1.25 * 2 ** 20)
-_EAGER_PROGRAMS = 25  # eager operations (jit(stage)) a process compiles once, one-layer sized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,28 +316,6 @@ def _judge_bytes(run: RunConfig, mesh: AbstractMesh, isz: int, platform: str) ->
   return int(mem["params"] + mem["cache"] + _fused_bytes(jcfg, mesh, isz, platform, layout)), sampling
 
 
-def compiled_programs(run: RunConfig, tmesh: AbstractMesh, smesh: AbstractMesh, platform: str,
-                      budget: Optional[int]) -> list[tuple[int, int]]:
-  """(programs, layers each) the run compiles: its sampler's warm-up (`warmup.sizes` as `builders.sampler`'s
-  engine decides them, counted without building it), its train steps (with the reference's log-probs where
-  algorithm.kl_coef > 0), the teachers' scoring, the judge's warm-up and the eager operations."""
-  r, L = run.rollout, run.model.n_layers
-  B = builders.slots(run, smesh, budget, platform)
-  paged = isinstance(make_layout(run.model, "auto", r.max_prompt_len, r.max_new_tokens, platform=platform),
-                     layouts.Paged)
-  sizes = warmup.sizes(B, shd.row_shards(smesh, B), paged=paged, on_swap=r.on_swap, max_prompt_len=r.max_prompt_len,
-                       max_new_tokens=r.max_new_tokens)
-  calls = sizes.calls(builders.sampler_uses(run), extend=run.env.episodic)
-  steps = len(run_lib.train_plan(run, builders.trainer(run, tmesh)).programs) * (1 + (run.algorithm.kl_coef > 0))
-  out = [(len(warmup.programs(calls)), L), (steps, L), (_EAGER_PROGRAMS, 1)]
-  out += [(teachers.programs_each(run.env.episodic), hf.read_config(path).n_layers)
-          for path in (run.teacher.dirs().values() if run.algorithm.distills else ())]
-  if run.reward.name == "judge":
-    judging = judges.sizes(run.judge, builders.judge_slots(run)).calls(judges.USES)
-    out.append((len(warmup.programs(judging)), hf.read_config(run.judge.hf_checkpoint).n_layers))
-  return out
-
-
 def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *, service_devices: int = 0,
              platform: Optional[str] = None, sampler_budget_bytes: Optional[int] = None) -> MemoryEstimate:
   """Per-device bytes of `run`'s trainer step on `trainer_devices` devices, of its sampler on `sampler_devices`
@@ -359,8 +328,7 @@ def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *, serv
   if topo.colocated and trainer_devices != sampler_devices:
     raise ValueError(f"topology.colocated=True: trainer_devices={trainer_devices} and sampler_devices="
                      f"{sampler_devices} must be equal (both roles use the same devices)")
-  tmesh = topology.abstract_mesh(topo.trainer_mesh, trainer_devices, "trainer")
-  smesh = topology.abstract_mesh(topo.sampler_mesh, sampler_devices, "sampler")
+  tmesh, smesh = topology.role_meshes(topo, trainer_devices, sampler_devices)
   notes: dict[str, str] = {}
   trainer = _trainer_items(run, tmesh, platform, notes)
   own = [k for k, v in services.placements(run).items() if v == "own" and service_devices]
@@ -376,9 +344,8 @@ def estimate(run: RunConfig, trainer_devices: int, sampler_devices: int, *, serv
   blocks = run_lib.checkpoint_blocks(platform)
   if blocks:
     state = max(0, state - (trainer["grads"] + trainer["activations"] + trainer["logits"]) * trainer_devices)
-  programs = compiled_programs(run, tmesh, smesh, platform, sampler_budget_bytes)
-  runtime = _PROCESS_BYTES + sum(n * (PROGRAM_BYTES + layers * PROGRAM_LAYER_BYTES) for n, layers in programs)
-  host = dict(runtime=runtime, checkpoint=state)
+  programs = compiled.programs(run, tmesh, smesh, platform, sampler_budget_bytes)
+  host = dict(runtime=compiled.runtime_bytes(programs), checkpoint=state)
   notes.update({"host.runtime": (f"Python, JAX/XLA, tokenizer and records; {sum(n for n, _ in programs)} "
                                  "compiled programs (the sampler's warm-up, the train steps, eager operations, "
                                  "teachers' and judge's)"),

@@ -209,6 +209,12 @@ def abstract_mesh(axes: Mapping[str, int], devices: int, role: str) -> AbstractM
   return AbstractMesh(tuple(sizes[a] for a in msharding.MESH_AXES), msharding.MESH_AXES)
 
 
+def role_meshes(config, trainer_devices: int, sampler_devices: int) -> tuple[AbstractMesh, AbstractMesh]:
+  """The trainer's and the sampler's abstract meshes (`abstract_mesh`) of topology config `config`."""
+  return (abstract_mesh(config.trainer_mesh, trainer_devices, "trainer"),
+          abstract_mesh(config.sampler_mesh, sampler_devices, "sampler"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
   """Slices, their role assignment and one mesh per role. `service_mesh`: where the run's frozen models with

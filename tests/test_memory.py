@@ -11,6 +11,7 @@ import pytest
 
 from rlax import builders
 from rlax import config as config_lib
+from rlax import compiled as compiled_lib
 from rlax import memory
 from rlax import memory_check
 from rlax import run as run_lib
@@ -349,6 +350,7 @@ def test_the_runtime_counts_the_programs_the_sampler_warms_up():
   n_keep, n_swap = (len(warmup.programs(e.warm_up_calls(uses))) for e in engines)
   a, b = (memory.estimate(r, 1, 1, platform="cpu").host["runtime"] for r in (keep, swap))
   assert n_swap - n_keep == len(engines[1].slot_buckets) > 1
-  tmesh, smesh = (topology.abstract_mesh(getattr(swap.topology, f"{r}_mesh"), 1, r) for r in ("trainer", "sampler"))
-  assert memory.compiled_programs(swap, tmesh, smesh, "cpu", None)[0] == (n_swap, swap.model.n_layers)
-  assert b - a == (n_swap - n_keep) * (memory.PROGRAM_BYTES + swap.model.n_layers * memory.PROGRAM_LAYER_BYTES)
+  counted = compiled_lib.programs(swap, *topology.role_meshes(swap.topology, 1, 1), "cpu", None)
+  assert counted[0] == (n_swap, swap.model.n_layers)
+  each = compiled_lib.PROGRAM_BYTES + swap.model.n_layers * compiled_lib.PROGRAM_LAYER_BYTES
+  assert b - a == (n_swap - n_keep) * each

@@ -8,6 +8,7 @@ from harness import judges as judges_harness
 from rlax import builders
 from rlax import config as config_lib
 from rlax import judges
+from rlax import compiled as compiled_lib
 from rlax import memory
 from rlax import memory_check
 from rlax import topology
@@ -58,8 +59,7 @@ def test_the_estimate_counts_an_own_placed_judge_on_the_service_devices(dirs):
   # The host's runtime counts the judge's warm-up programs as its engine decides them, each of the judge's layers.
   jcfg = hf.read_config(str(dirs / "judge"))
   engine = judges.engine(beside.judge, jcfg, None, slots=builders.judge_slots(beside))
-  meshes = (topology.abstract_mesh(getattr(beside.topology, f"{r}_mesh"), 1, r) for r in ("trainer", "sampler"))
-  counted = memory.compiled_programs(beside, *meshes, "cpu", None)
+  counted = compiled_lib.programs(beside, *topology.role_meshes(beside.topology, 1, 1), "cpu", None)
   assert counted[-1] == (len(warmup.programs(engine.warm_up_calls(judges.USES))), jcfg.n_layers) and len(counted) == 4
   with pytest.raises(ValueError, match=r"the service slices \(teacher / judge\) need .*\(topology.service_slices\)"):
     memory_check.check(apart, apart.trainer_bytes, apart.sampler_bytes, service_budget_bytes=apart.service_bytes - 1)

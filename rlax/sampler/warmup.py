@@ -1,5 +1,5 @@
 """What a sampler compiles, decided once: its buckets and the calls of its warm-up. `Sampler.warm_up` makes
-exactly these calls; `rlax.memory` counts the programs they compile (each compiled program holds host heap)
+exactly these calls; `rlax.compiled` counts the programs they compile (each compiled program holds host heap)
 without building an engine."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def extend_width(block: int, max_new_tokens: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-  """A sampler's compiled sizes, decided once by `sizes`: `Sampler` runs on them and `rlax.memory` counts the
+  """A sampler's compiled sizes, decided once by `sizes`: `Sampler` runs on them and `rlax.compiled` counts the
   programs of their warm-up without building an engine."""
   slots: int
   slot_buckets: tuple[int, ...]   # the tail's decode sizes (`slot_buckets`)
@@ -102,7 +102,7 @@ class Sizes:
 def sizes(slots: int, shards: int, *, paged: bool, on_swap: str, max_prompt_len: int, max_new_tokens: int,
           shrink: bool = True, admit_factor: int = ADMIT_FACTOR, prompt_factor: int = 0) -> Sizes:
   """The sizes of a sampler of `slots` over `shards` row shards (see `Sampler` for the arguments). The paged
-  layout's pool is not laid out by slot: it never shrinks. Callers: `Sampler`, `rlax.memory`."""
+  layout's pool is not laid out by slot: it never shrinks. Callers: `Sampler`, `rlax.compiled`."""
   shrink = shrink and not paged
   return Sizes(slots, slot_buckets(slots, shards, shrink), prompt_buckets(max_prompt_len, prompt_factor),
                admit_factor, max_new_tokens, on_swap == "recompute", shrink)
@@ -110,7 +110,7 @@ def sizes(slots: int, shards: int, *, paged: bool, on_swap: str, max_prompt_len:
 
 def programs(warm_calls: Sequence[tuple]) -> set:
   """The distinct programs `warm_calls` compile: the weights' fuse and each call's own (an admission: a
-  prefill of its width and an admit of its rows). Each compiled program holds host heap: `rlax.memory`."""
+  prefill of its width and an admit of its rows). Each compiled program holds host heap: `rlax.compiled`."""
   out = {("fuse",)}
   for c in warm_calls:
     if c[0] == "admission":

@@ -7,7 +7,7 @@ tests/teachers/test_teacher.py's.)"""
 
 from configs import base
 from harness import hf_models
-from rlax import memory
+from rlax import compiled as compiled_lib
 from rlax import topology
 from rlax.data.records import Record, write_jsonl
 from rlax.models import hf
@@ -67,8 +67,7 @@ def test_rows_are_scored_by_the_teacher_their_record_names(tmp_path):
   assert {n: t.traces["teacher_logprobs"] for n, t in teachers.teachers.items()} == {"default": 1, "self": 1}
   # The estimate's host runtime counts the programs each teacher compiled, of the teacher's layers.
   run = ctl.run_cfg
-  meshes = (topology.abstract_mesh(getattr(run.topology, f"{r}_mesh"), 1, r) for r in ("trainer", "sampler"))
-  counted = memory.compiled_programs(run, *meshes, "cpu", None)[3:]
+  counted = compiled_lib.programs(run, *topology.role_meshes(run.topology, 1, 1), "cpu", None)[3:]
   layers = [hf.read_config(path).n_layers for path in run.teacher.dirs().values()]
   assert counted == [(t.traces["teacher_logprobs"], n) for t, n in zip(teachers.teachers.values(), layers)]
   assert all(r["compiles"] == 0 for r in ctl.metrics.history[1:])
