@@ -19,6 +19,7 @@ f32 matmul rate is reported with it (workload.matmul_flops_per_s). The last outp
 
 import asyncio
 import json
+import sys
 import time
 
 from absl import app, flags
@@ -46,6 +47,7 @@ def warm(fn, engine):
     if quiet == 2:
       return
     seen = sum(engine.trace_counts.values())
+  print("warm-up: calls still compiled after 10 of them; timed calls may compile too", file=sys.stderr)
 
 
 def timed(fns: dict, reps: int) -> dict:

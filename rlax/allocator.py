@@ -101,7 +101,7 @@ def memory_maps() -> tuple[int, int]:
 
 
 # What a multi-turn run on CPU can hold: configs/search_tool.py's SmolLM2 run held 71k maps after its warm-up
-# (the sampler's extensions are 20 programs), past the kernel's default of 65530.
+# (its sampler's extensions were then 20 programs), past the kernel's default of 65530.
 MULTI_TURN_MAPS = 262144
 
 

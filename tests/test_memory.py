@@ -10,8 +10,8 @@ import psutil
 import pytest
 
 from rlax import builders
-from rlax import config as config_lib
 from rlax import compiled as compiled_lib
+from rlax import config as config_lib
 from rlax import memory
 from rlax import memory_check
 from rlax import run as run_lib

@@ -6,9 +6,9 @@ import pytest
 from harness import hf_models
 from harness import judges as judges_harness
 from rlax import builders
+from rlax import compiled as compiled_lib
 from rlax import config as config_lib
 from rlax import judges
-from rlax import compiled as compiled_lib
 from rlax import memory
 from rlax import memory_check
 from rlax import topology

@@ -54,7 +54,7 @@ def engine(config: JudgeConfig, model_cfg, mesh, *, slots: int, params=None, eos
 
 def sizes(config: JudgeConfig, slots: int) -> warmup.Sizes:
   """The judge engine's compiled sizes without building it: it never shrinks, so neither its mesh's row shards
-  nor its cache layout change them. rlax.memory counts the programs of their warm-up."""
+  nor its cache layout change them. rlax.compiled counts the programs of their warm-up."""
   assert not _SIZES["shrink"]
   return warmup.sizes(slots, 1, paged=False, max_prompt_len=config.max_prompt_len,
                       max_new_tokens=config.max_new_tokens, **_SIZES)

@@ -248,8 +248,8 @@ class Sampler:
     block = warmup.extend_block(blocks, max([1] + [len(x) for x in appends]))
     ids = np.full(A, st.t.shape[0], np.int32)  # padding: dropped
     append = np.zeros((A, warmup.extend_width(block, self.max_new_tokens)), np.int32)
-    n_append, lim, stop_ids = np.zeros(A, np.int32), np.zeros(A, np.int32), np.full((A, slots_lib.MAX_STOP_IDS), -1,
-                                                                                   np.int32)
+    n_append, lim = np.zeros(A, np.int32), np.zeros(A, np.int32)
+    stop_ids = np.full((A, slots_lib.MAX_STOP_IDS), -1, np.int32)
     for a, (slot, toks, limit, stop) in enumerate(zip(slot_ids, appends, limits, stops)):
       ids[a], append[a, :len(toks)], n_append[a], lim[a] = slot, toks, len(toks), limit
       stop_ids[a, :len(stop)] = stop

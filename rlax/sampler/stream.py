@@ -265,7 +265,8 @@ class Stream:
     self.running += take
 
   def _extend(self, params) -> None:
-    """The queued extensions in one compiled call (`Sampler.extension`: rows and appended lengths in buckets)."""
+    """The queued extensions in one compiled call (`Sampler.extension`: rows in buckets, appended tokens in
+    blocks)."""
     exts, self._extensions = self._extensions, []
     slot_ids = [int(np.flatnonzero(self.owner == r)[0]) for r, *_ in exts]
     self.st = self.e.extension(params, self.st, slot_ids, [x[1] for x in exts], [x[2] for x in exts],

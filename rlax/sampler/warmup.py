@@ -47,15 +47,17 @@ EXTEND_BLOCKS = (8, 64)  # appended tokens are fed this many at a time (`extend_
 
 def extend_buckets(slots: int, max_new_tokens: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """Rows an extension is padded to (1, 2, 4, ...: each padded row costs as much as a real one) and the blocks
-  its appended tokens are fed in (a loop over blocks, any length: one program per rows and block). Factor-4
-  rows with appends padded to factor-4 lengths made W6 0.84x as fast as these shapes."""
-  return prompts_lib.pow2_buckets(1, slots), tuple(sorted({min(b, max_new_tokens) for b in EXTEND_BLOCKS}))
+  its appended tokens are fed in (a loop over blocks, any length: one program per rows and block). A larger
+  block than an append can be (max_new_tokens - 2: a turn samples at least one token before and after it)
+  would never run."""
+  small = min(EXTEND_BLOCKS[0], max_new_tokens)
+  return prompts_lib.pow2_buckets(1, slots), (small,) + tuple(b for b in EXTEND_BLOCKS[1:] if b <= max_new_tokens - 2)
 
 
 def extend_block(blocks: Sequence[int], longest: int) -> int:
   """The block an extension whose longest append has `longest` tokens runs in: the largest that does not exceed
-  it (padding under 2x; at most 8 loops below the largest block), else the smallest. Callers: `Sampler.extension`
-  (and through it the warm-up, whose appends are one block long)."""
+  it (past the smallest block, padding under 2x; at most 8 loops below the largest), else the smallest.
+  Callers: `Sampler.extension` (and through it the warm-up, whose appends are one block long)."""
   return max((b for b in blocks if b <= longest), default=blocks[0])
 
 

@@ -25,7 +25,7 @@ from rlax.trainer.batch import TEACHER_FIELDS, RolloutBatch
 
 def programs_each(forks: bool) -> int:
   """Scoring programs each teacher compiles in a run, at most: a padded batch's, and where episodes fork the
-  packed rows' (`Teachers.warm_up`; a call's rows are fixed: `call_rows`). Counted by rlax.memory; teachers
+  packed rows' (`Teachers.warm_up`; a call's rows are fixed: `call_rows`). Counted by rlax.compiled; teachers
   rebuilt after their slices return compile theirs again."""
   return 1 + bool(forks)
 

@@ -93,8 +93,8 @@ class Scripted(envs.Environment):
     return envs.Observation(PROMPTS[record], max_new_tokens=3)
 
   async def step(self, turn):
-    if turn.index < 2:
-      return envs.StepResult(tokens=[50 + turn.index, 51], max_new_tokens=3)
+    if turn.index < 2:  # the second answer spans two of the extension's blocks (8 fed tokens each)
+      return envs.StepResult(tokens=[50, 51] if turn.index == 0 else list(range(40, 50)), max_new_tokens=3)
     return envs.StepResult(reward=1.0, done=True, stop_reason="final_answer")
 
 

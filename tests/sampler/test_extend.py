@@ -114,10 +114,13 @@ def test_replies_longer_than_a_block_are_fed_in_several(attention):
   """Replies of 13 and 2 tokens extended in one call run in blocks of 8 (`warmup.extend_block`): two loops, the
   second writing only the long reply's last 5 fed tokens over the cache the first wrote."""
   cs = make(attention)
-  assert cs.extend_buckets()[1] == (8, 24)
+  assert cs.extend_buckets() == ((1, 2, 4), (8,))
+  calls = []
+  extension = cs.extension
+  cs.extension = lambda *a, **k: calls.append(len(a[2])) or extension(*a, **k)  # rows per call
   replies = {0: [list(range(40, 53))], 1: [[9, 10]]}
   done = run_episodes(cs, S.Temperature(1.0), PROMPTS[:2], replies, seed=3)
-  assert cs.trace_counts["extend"] == 1  # one program for both lengths
+  assert calls == [2] and cs.trace_counts["extend"] == 1
   for i, out in done.items():
     check_episode(out, PROMPTS[i], replies[i], 3, 4, lambda v: P0, 3, i)
 

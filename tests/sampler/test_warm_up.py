@@ -98,7 +98,7 @@ def test_row_keys_of_any_row_count_within_a_power_of_two_compile_once():
 
 
 def test_the_warm_up_compiles_the_programs_its_plan_counts():
-  """`warmup.programs` (what rlax.memory counts, no engine built) are the programs the warm-up compiles: JAX's own
+  """`warmup.programs` (what rlax.compiled counts, no engine built) are the programs the warm-up compiles: JAX's own
   compile events, multi-turn, two sampling methods, two prompt widths (the eager operations a process compiles
   once, `stage`, aside)."""
   from rlax.sampler import warmup
@@ -109,9 +109,9 @@ def test_the_warm_up_compiles_the_programs_its_plan_counts():
   planned = warmup.programs(sizes.calls(uses, extend=True))
   assert sizes == cs.sizes and planned == warmup.programs(cs.warm_up_calls(uses, extend=True))
   # Per slot bucket: a state, 2 decodes, a recompute, a cancel; a shrink to the next smaller (3) and a grow (3);
-  # extensions: rows 1, 2, 4, 8 x blocks 8, 18; prefills: 1, 2, 4, 8 prompts x 2 widths (G=2 shares G=1's);
+  # extensions: rows 1, 2, 4, 8 x block 8 (an append is at most 16 tokens); prefills: 1, 2, 4, 8 prompts x 2 widths (G=2 shares G=1's);
   # admits: 3 (G=2) + 4 (G=1); the fuse.
-  assert len(planned) == 4 * 5 + 3 + 3 + 4 * 2 + 4 * 2 + 3 + 4 + 1
+  assert len(planned) == 4 * 5 + 3 + 3 + 4 + 4 * 2 + 3 + 4 + 1
   params = cs.weights_source()()[0]
   jax.random.key_data(jax.random.key(0))  # the warm-up's key: compiled once a process, not the engine's
   cs.fused(params)  # the weights' fuse: one per model, whichever engine compiled it first
