@@ -5,8 +5,9 @@ A slot holds one request: its prompt (n_prompt tokens), every token after it (`t
 by an extension) with its log-prob, weight version and whether it was sampled, the cache (a
 `rlax.sampler.layouts` layout's) of its sequence, and for a MoE model that replays routes the experts each
 token of it went to when a forward fed it (`routes`, by index in the sequence: what the trainer replays).
-t[s] tokens follow the prompt; the last one is fed by the next decode step, so indices 0 .. n_prompt + t - 2 are cached. Shapes are static (S slots, P prompt columns,
-N new-token budget, M stop ids per slot), so nothing recompiles in steady state.
+t[s] tokens follow the prompt; the last one is fed by the next decode step, so indices 0 .. n_prompt + t - 2 are
+cached. Shapes are static (S slots, P prompt columns, N new-token budget, M stop ids per slot), so nothing
+recompiles in steady state.
 """
 
 from __future__ import annotations
@@ -129,8 +130,9 @@ def admit(st: SlotState, k, v, logits, routes, prompt, n_prompt, slot_ids, which
   new = st.replace(
       cache=cache, prompt=put(st.prompt, prompt[which]), n_prompt=put(st.n_prompt, n),
       tokens=put(st.tokens, jnp.full((A, N), pad_id, jnp.int32)),
-      logprobs=put(st.logprobs, jnp.zeros((A, N), jnp.float32)), versions=put(st.versions, jnp.full((A, N), -1, jnp.int32)),
-      sampled=put(st.sampled, jnp.zeros((A, N), bool)), t=put(st.t, zero), limit=put(st.limit, limits.astype(jnp.int32)),
+      logprobs=put(st.logprobs, jnp.zeros((A, N), jnp.float32)),
+      versions=put(st.versions, jnp.full((A, N), -1, jnp.int32)), sampled=put(st.sampled, jnp.zeros((A, N), bool)),
+      t=put(st.t, zero), limit=put(st.limit, limits.astype(jnp.int32)),
       done=put(st.done, jnp.zeros((A,), bool)), reason=put(st.reason, jnp.full((A,), rows_lib.LENGTH, jnp.int32)),
       keys=put(st.keys, keys), stop_ids=put(st.stop_ids, jnp.full((A, st.stop_ids.shape[1]), -1, jnp.int32)))
   fresh = jnp.zeros((S,), bool).at[sid].set(True, mode="drop")

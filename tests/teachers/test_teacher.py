@@ -53,7 +53,8 @@ def test_teacher_log_probs_match_transformers_on_scored_slots_only(teacher_dir):
     start = int(np.argmax(batch.input_mask[b]))  # the row without its left padding, as transformers sees it
     row = batch.tokens[b, start:]
     logits = hf_models.logits(ref, row[None])[0].astype(np.float64)
-    lp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    top = logits.max(-1, keepdims=True)
+    lp = logits - np.log(np.exp(logits - top).sum(-1, keepdims=True)) - top
     want = np.zeros(batch.loss_mask.shape[1])
     for t in range(start, batch.tokens.shape[1] - 1):
       if batch.loss_mask[b, t]:
