@@ -178,8 +178,9 @@ def reward_fn(run: RunConfig):
 def episodes(run: RunConfig, tok: Tokenizer, render: PromptRenderer, reward, pool):
   """`episodes(stream, sync, keys) -> EpisodeStream` over the configured environment (env.name "": one-turn
   episodes, rlax.envs.single_turn_episodes): one environment per episode, built by the registry's factory with
-  the run's tokenizer, renderer, reward and verifier pool. keys=True (training): tool calls are journaled in <workdir>/tool_journal.jsonl, so a resumed
-  run replays the calls the killed one had finished. `make.close()` stops the run's retrieval service."""
+  the run's tokenizer, renderer, reward and verifier pool. keys=True (training): tool calls are journaled in
+  <workdir>/tool_journal.jsonl, so a resumed run replays the calls the killed one had finished. `make.close()`
+  stops the run's retrieval service."""
   e = run.env
   if not e.episodic:
     return envs.single_turn_episodes(render, reward, pool.grade)
