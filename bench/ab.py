@@ -47,9 +47,9 @@ def _worker() -> None:
     episodes.warm(run(), engine)
     print("ready", os.path.abspath(M.__file__), flush=True)
     for _ in sys.stdin:
-      n, t = _traces(engine), time.perf_counter()
+      n, t = episodes.traces(engine), time.perf_counter()
       run()()
-      print(f"{time.perf_counter() - t:.6f} {_traces(engine) - n}", flush=True)
+      print(f"{time.perf_counter() - t:.6f} {episodes.traces(engine) - n}", flush=True)
     return
   cfg = workload.model_config()
   params = M.create_params(cfg, seed=0)
@@ -75,12 +75,8 @@ def _worker() -> None:
     call(limit)
   print("ready", os.path.abspath(M.__file__), flush=True)
   for line in sys.stdin:
-    n = _traces(engine)
-    print(f"{call(int(line)):.6f} {_traces(engine) - n}", flush=True)
-
-
-def _traces(engine) -> int:
-  return sum(getattr(engine, "trace_counts", {}).values())  # a checkout without the counter: never left out
+    n = episodes.traces(engine)
+    print(f"{call(int(line)):.6f} {episodes.traces(engine) - n}", flush=True)
 
 
 def _spawn(root: str) -> subprocess.Popen:

@@ -43,11 +43,18 @@ def warm(fn, engine):
   seen, quiet = -1, 0
   for _ in range(10):
     fn()
-    quiet = quiet + 1 if sum(engine.trace_counts.values()) == seen else 0
+    n = traces(engine)
+    quiet = quiet + 1 if n == seen else 0
     if quiet == 2:
       return
-    seen = sum(engine.trace_counts.values())
+    seen = n
   print("warm-up: calls still compiled after 10 of them; timed calls may compile too", file=sys.stderr)
+
+
+def traces(engine) -> int:
+  """Programs `engine` has traced (compiled) so far; 0 for a checkout without the counter. Callers: warm,
+  bench/ab.py."""
+  return sum(getattr(engine, "trace_counts", {}).values())
 
 
 def timed(fns: dict, reps: int) -> dict:

@@ -257,7 +257,7 @@ class Sampler:
                         np.int32(version), block=block)
 
   def extend_buckets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return warmup.extend_buckets(self.slots, self.max_new_tokens)
+    return self.sizes.extend_buckets()
 
   def warm_up_calls(self, uses, *, extend: bool = False) -> list[tuple]:
     """`warm_up`'s calls (rlax.sampler.warmup.Sizes.calls) for these (samples per group, strategy) uses."""

@@ -81,6 +81,9 @@ class Sizes:
   def group_buckets(self, samples: int) -> tuple[int, ...]:
     return group_buckets(self.slots, samples, self.admit_factor)
 
+  def extend_buckets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return extend_buckets(self.slots, self.max_new_tokens)
+
   def calls(self, uses, *, extend: bool = False) -> list[tuple]:
     """Every call of a warm-up, in order: ("state", S), ("decode", S, strategy), ("recompute", S), ("cancel",
     S), ("shrink", S, b), ("grow", S), ("extend", A, block), ("admission", G, strategy, q, P). uses: the (samples
@@ -93,7 +96,7 @@ class Sizes:
       out += [("shrink", S, next_smaller(buckets, S))] * (S > buckets[0])
       out += [("grow", S)] * (S < self.slots)
     if extend:
-      rows, blocks = extend_buckets(self.slots, self.max_new_tokens)
+      rows, blocks = self.extend_buckets()
       out += [("extend", A, block) for A in rows for block in blocks]
     for G, strategy in uses:
       out += [("admission", G, strategy, q, P)

@@ -109,8 +109,8 @@ def test_the_warm_up_compiles_the_programs_its_plan_counts():
   planned = warmup.programs(sizes.calls(uses, extend=True))
   assert sizes == cs.sizes and planned == warmup.programs(cs.warm_up_calls(uses, extend=True))
   # Per slot bucket: a state, 2 decodes, a recompute, a cancel; a shrink to the next smaller (3) and a grow (3);
-  # extensions: rows 1, 2, 4, 8 x block 8 (an append is at most 16 tokens); prefills: 1, 2, 4, 8 prompts x 2 widths (G=2 shares G=1's);
-  # admits: 3 (G=2) + 4 (G=1); the fuse.
+  # extensions: rows 1, 2, 4, 8 x block 8 (an append is at most 16 tokens); prefills: 1, 2, 4, 8 prompts x 2
+  # widths (G=2 shares G=1's); admits: 3 (G=2) + 4 (G=1); the fuse.
   assert len(planned) == 4 * 5 + 3 + 3 + 4 + 4 * 2 + 3 + 4 + 1
   params = cs.weights_source()()[0]
   jax.random.key_data(jax.random.key(0))  # the warm-up's key: compiled once a process, not the engine's
